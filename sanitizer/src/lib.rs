@@ -3,8 +3,53 @@
 //! > A request may read a KV slot only if that request, in the page's current
 //! > generation, wrote it (by computing it or by receiving it in a completed
 //! > transfer) — or the page is shared with it read-only by the prefix cache.
+//!
+//! The engine calls the hooks of [`Sanitizer`] at every allocation, free,
+//! write, read, transfer and lifecycle event; each returns a [`Verdict`].
+//! Subsystems, one file each (compiler-rt style):
+//!
+//! | module | what lives there |
+//! | --- | --- |
+//! | `ids` | pool, page, generation, request, tenant, owner ids |
+//! | `geometry` | `PoolGeometry`, `NodeRole` |
+//! | `shadow` | per-page state word, owner, written bitmap; lock-free transitions |
+//! | `pool` | one registered pool: records, bitmaps, history, sharers, quarantine |
+//! | `history` | per-page origin ring |
+//! | `lifecycle` | request states and legal transitions |
+//! | `transfer` | `Manifest` |
+//! | `violation` | the list of violation kinds, ids, counters, `Verdict` |
+//! | `report` | human and JSON reports, the sink |
+//! | `options` | the options table and `KVSAN_OPTIONS` parser |
+//! | `error` | `SanitizerError` (API misuse) |
+//! | `sanitizer` | the `Sanitizer` facade and its hooks |
 #![warn(missing_docs)]
 
+pub mod error;
+pub mod geometry;
+pub mod history;
 pub mod ids;
+pub mod lifecycle;
+pub mod options;
+mod pool;
+pub mod report;
+mod sanitizer;
+#[cfg(loom)]
+pub mod shadow;
+#[cfg(not(loom))]
+pub mod shadow;
+#[doc(hidden)]
+pub mod sync;
+pub mod transfer;
+pub mod violation;
 
+pub use error::SanitizerError;
+pub use geometry::{NodeRole, PoolGeometry};
+pub use history::{EventKind, HistoryEvent};
 pub use ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId, TenantId};
+pub use lifecycle::{RequestEvent, RequestState, Transition};
+pub use options::{OnViolation, Options, ReportFormat};
+pub use report::{PageReport, Report};
+pub use sanitizer::{MAX_POOLS, PageInfo, Sanitizer};
+pub use shadow::PageState;
+pub use transfer::Manifest;
+pub use violation::{Verdict, Violation, ViolationId, ViolationKind};

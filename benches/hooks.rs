@@ -1,0 +1,107 @@
+//! Microbenchmarks of the sanitizer's hot hooks, with a floor to compare to.
+//!
+//! ```text
+//! cargo bench --bench hooks
+//! ```
+//!
+//! - `baseline/atomic_load`: one relaxed atomic load (the cheapest check there is);
+//! - `read/128_pages_written`: `read` of a fully written 128-page block table
+//!   (throughput in pages, so criterion prints time per page);
+//! - `write/1_slot_all_layers`: `write` of one slot for all 30 layers;
+//! - `alloc_free/page`: `alloc` then `free` of one page.
+//!
+//! Geometry: SmolLM2-135M (30 layers, 16-slot pages, 3 KV heads × 64 dims, f16).
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvsan_sanitizer::{NodeRole, Owner, PageId, PageRef, PoolGeometry, Sanitizer};
+
+const LAYERS: u32 = 30;
+const SLOTS: u32 = 16;
+const TABLE: u32 = 128;
+
+fn sanitizer() -> (Sanitizer, kvsan_sanitizer::PoolId) {
+    let san = Sanitizer::with_writer(kvsan_sanitizer::Options::default(), std::io::sink());
+    let pool = san
+        .pool_register(PoolGeometry {
+            pages: 1024,
+            page_slots: SLOTS,
+            layers: LAYERS,
+            bytes_per_slot: 2 * 3 * 64 * 2,
+            role: NodeRole::Decode,
+            node: "bench-0".into(),
+        })
+        .expect("geometry is valid");
+    (san, pool)
+}
+
+fn baseline(c: &mut Criterion) {
+    let word = AtomicU64::new(7);
+    c.bench_function("baseline/atomic_load", |b| {
+        b.iter(|| black_box(&word).load(Ordering::Relaxed))
+    });
+}
+
+fn read(c: &mut Criterion) {
+    let (san, pool) = sanitizer();
+    let owner = Owner::new(1, 1);
+    let table: Vec<PageRef> = (0..TABLE)
+        .map(|p| {
+            let (v, generation) = san.alloc(pool, PageId(p), owner, 0).expect("in range");
+            assert!(v.is_continue());
+            let page = PageRef {
+                page: PageId(p),
+                generation,
+            };
+            assert!(san.write(pool, owner, page, 0..SLOTS, 0..LAYERS, 0).expect("in range").is_continue());
+            page
+        })
+        .collect();
+    let tokens = (TABLE * SLOTS) as usize;
+    let mut group = c.benchmark_group("read");
+    group.throughput(Throughput::Elements(u64::from(TABLE)));
+    group.bench_function("128_pages_written", |b| {
+        b.iter(|| {
+            san.read(pool, owner, black_box(&table), black_box(tokens), 0..LAYERS, 1)
+                .expect("in range")
+        })
+    });
+    group.finish();
+}
+
+fn write(c: &mut Criterion) {
+    let (san, pool) = sanitizer();
+    let owner = Owner::new(1, 1);
+    let (_, generation) = san.alloc(pool, PageId(0), owner, 0).expect("in range");
+    let page = PageRef {
+        page: PageId(0),
+        generation,
+    };
+    let mut slot = 0;
+    c.bench_function("write/1_slot_all_layers", |b| {
+        b.iter(|| {
+            slot = (slot + 1) % SLOTS;
+            san.write(pool, owner, black_box(page), slot..slot + 1, 0..LAYERS, 1)
+                .expect("in range")
+        })
+    });
+}
+
+fn alloc_free(c: &mut Criterion) {
+    let (san, pool) = sanitizer();
+    let owner = Owner::new(1, 1);
+    c.bench_function("alloc_free/page", |b| {
+        b.iter(|| {
+            let (v, generation) = san.alloc(pool, black_box(PageId(5)), owner, 0).expect("in range");
+            let f = san
+                .free(pool, owner, PageRef { page: PageId(5), generation }, 0)
+                .expect("in range");
+            (v, f)
+        })
+    });
+}
+
+criterion_group!(benches, baseline, read, write, alloc_free);
+criterion_main!(benches);

@@ -1,0 +1,181 @@
+//! A registered pool's shadow: one record, `stride` bitmap words and a
+//! history ring per page, the sharer table of the prefix cache, and the
+//! quarantine FIFO.
+
+use std::collections::{HashMap, VecDeque};
+
+use parking_lot::Mutex;
+
+use crate::error::SanitizerError;
+use crate::geometry::PoolGeometry;
+use crate::history::{Event, PageHistory};
+use crate::ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId};
+use crate::shadow::{BitLayout, FLAG_SHARED, PageShadow, PageView, StateWord};
+use crate::sync::AtomicU64;
+
+pub(crate) struct ShadowPool {
+    pub(crate) id: PoolId,
+    pub(crate) geometry: PoolGeometry,
+    pub(crate) layout: BitLayout,
+    records: Box<[PageShadow]>,
+    bits: Box<[AtomicU64]>,
+    history: Box<[PageHistory]>,
+    /// Read-only sharers per page: (sharer, references held).
+    sharers: Mutex<HashMap<u32, Vec<(Owner, u32)>>>,
+    quarantine: Mutex<VecDeque<(PageId, Generation)>>,
+    quarantine_cap: usize,
+}
+
+impl ShadowPool {
+    pub(crate) fn new(
+        id: PoolId,
+        geometry: PoolGeometry,
+        history_depth: u32,
+        quarantine_pages: u32,
+    ) -> ShadowPool {
+        let layout = BitLayout::new(geometry.page_slots, geometry.layers);
+        let pages = geometry.pages as usize;
+        ShadowPool {
+            id,
+            layout,
+            records: (0..pages).map(|_| PageShadow::new()).collect(),
+            bits: (0..pages * layout.stride)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            history: (0..pages)
+                .map(|_| PageHistory::new(history_depth))
+                .collect(),
+            sharers: Mutex::new(HashMap::new()),
+            quarantine: Mutex::new(VecDeque::new()),
+            quarantine_cap: quarantine_pages as usize,
+            geometry,
+        }
+    }
+
+    /// Shadow bytes per page: record, bitmap words and history ring.
+    pub(crate) fn bytes_per_page(page_slots: u32, layers: u32, history_depth: u32) -> usize {
+        std::mem::size_of::<PageShadow>()
+            + BitLayout::new(page_slots, layers).stride * std::mem::size_of::<u64>()
+            + PageHistory::bytes_per_page(history_depth)
+    }
+
+    #[inline]
+    pub(crate) fn page(&self, page: PageId) -> Result<PageView<'_>, SanitizerError> {
+        let i = page.0 as usize;
+        match self.records.get(i) {
+            Some(rec) => Ok(PageView {
+                rec,
+                bits: &self.bits[i * self.layout.stride..(i + 1) * self.layout.stride],
+                layout: &self.layout,
+            }),
+            None => Err(SanitizerError::PageOutOfRange {
+                pool: self.id.0,
+                page: page.0,
+                pages: self.geometry.pages,
+            }),
+        }
+    }
+
+    /// Pages are checked in range before this is called.
+    pub(crate) fn log(&self, page: PageId, event: Event) {
+        self.history[page.0 as usize].push(event);
+    }
+
+    pub(crate) fn history(&self, page: PageId) -> Vec<crate::history::HistoryEvent> {
+        self.history[page.0 as usize].snapshot()
+    }
+
+    pub(crate) fn is_sharer(&self, page: PageId, who: RequestId) -> bool {
+        self.sharers
+            .lock()
+            .get(&page.0)
+            .is_some_and(|list| list.iter().any(|(o, _)| o.request == who))
+    }
+
+    pub(crate) fn sharers_of(&self, page: PageId) -> Vec<Owner> {
+        self.sharers
+            .lock()
+            .get(&page.0)
+            .map(|list| list.iter().map(|(o, _)| *o).collect())
+            .unwrap_or_default()
+    }
+
+    /// Adds one read-only reference of `who` to the page held at `generation`.
+    pub(crate) fn add_sharer(
+        &self,
+        view: PageView<'_>,
+        page: PageRef,
+        who: Owner,
+    ) -> Result<(), StateWord> {
+        let mut table = self.sharers.lock();
+        view.mark_shared(page.generation)?;
+        let list = table.entry(page.page.0).or_default();
+        match list.iter_mut().find(|(o, _)| o.request == who.request) {
+            Some((_, n)) => *n += 1,
+            None => list.push((who, 1)),
+        }
+        Ok(())
+    }
+
+    /// Drops one read-only reference of `who`. `None` if `who` shares nothing
+    /// here; `Some(true)` if the page went to quarantine.
+    pub(crate) fn drop_sharer(
+        &self,
+        view: PageView<'_>,
+        page: PageRef,
+        who: RequestId,
+    ) -> Option<bool> {
+        let mut table = self.sharers.lock();
+        let list = table.get_mut(&page.page.0)?;
+        let at = list.iter().position(|(o, _)| o.request == who)?;
+        list[at].1 -= 1;
+        if list[at].1 == 0 {
+            list.swap_remove(at);
+        }
+        if !list.is_empty() {
+            return Some(false);
+        }
+        table.remove(&page.page.0);
+        Some(view.last_sharer_gone(page.generation))
+    }
+
+    /// A freed page enters the quarantine FIFO; the oldest beyond the
+    /// capacity become Free.
+    pub(crate) fn quarantine(&self, page: PageId, generation: Generation) {
+        let mut fifo = self.quarantine.lock();
+        fifo.push_back((page, generation));
+        while fifo.len() > self.quarantine_cap {
+            let Some((old, old_gen)) = fifo.pop_front() else {
+                break;
+            };
+            if let Ok(view) = self.page(old) {
+                view.leave_quarantine(old_gen);
+            }
+        }
+    }
+
+    /// Pages `who` still holds: as holding owner (`true`) or as sharer (`false`).
+    pub(crate) fn pages_held_by(&self, who: RequestId) -> Vec<(PageRef, bool)> {
+        let mut held = Vec::new();
+        for (i, rec) in self.records.iter().enumerate() {
+            let word = rec.load();
+            if !word.state().is_free()
+                && !word.has(crate::shadow::FLAG_OWNER_RELEASED)
+                && rec.owner().request == who
+            {
+                held.push((PageRef::new(i as u32, word.generation().0), true));
+            }
+        }
+        let table = self.sharers.lock();
+        for (page, list) in table.iter() {
+            if list.iter().any(|(o, _)| o.request == who) {
+                let word = self.records[*page as usize].load();
+                if word.has(FLAG_SHARED) {
+                    held.push((PageRef::new(*page, word.generation().0), false));
+                }
+            }
+        }
+        held.sort_by_key(|(r, _)| r.page);
+        held
+    }
+}
