@@ -1,2 +1,12 @@
 //! kvsan-engine: a GGUF Llama-family inference engine whose KV pool reports
 //! every page event to kvsan's sanitizer hooks.
+#![warn(missing_docs)]
+
+pub mod chat;
+pub mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use error::EngineError;

