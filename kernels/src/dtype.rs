@@ -97,7 +97,7 @@ impl DType {
     /// whole number of blocks.
     #[must_use]
     pub const fn row_bytes(self, cols: usize) -> Option<usize> {
-        if cols % self.block_elems() != 0 {
+        if !cols.is_multiple_of(self.block_elems()) {
             return None;
         }
         Some(cols / self.block_elems() * self.block_bytes())

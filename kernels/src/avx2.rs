@@ -1,0 +1,391 @@
+//! x86-64 AVX2 + FMA + F16C kernels: weight-row × activation-row dot products
+//! for every block format, and the f32 × f16 helpers of attention.
+//!
+//! Inside a block the products are summed in integers (`maddubs`/`madd`, the
+//! instruction sequences of llama.cpp's AVX2 path), across blocks in f32 FMA
+//! lanes, so results equal the portable kernels' up to f32 summation order.
+//!
+//! Every function here needs AVX2, FMA and F16C; callers check
+//! [`Isa::Avx2`](crate::isa::Isa::Avx2)`.available()` first.
+
+use std::arch::x86_64::*;
+
+use half::f16;
+
+use crate::DType;
+use crate::quant::{ActFormat, Q8_1_BLOCK_BYTES, Q8_K_BLOCK_BYTES, QK_K, q4k_scale_min};
+
+/// f16 bits at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees two readable bytes at `p`; unaligned read.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_f32(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// 32 nibbles from 16 bytes at `p`: low nibbles in bytes 0..16, high nibbles in 16..32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`; unaligned load.
+    let t = unsafe { _mm_loadu_si128(p.cast()) };
+    let both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load32(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes at `p`; unaligned load.
+    unsafe { _mm256_loadu_si256(p.cast()) }
+}
+
+/// Σ of signed × signed byte pairs, as 8 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_i8_i8(x: __m256i, y: __m256i) -> __m256i {
+    let ax = _mm256_sign_epi8(x, x);
+    let sy = _mm256_sign_epi8(y, x);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+}
+
+/// Σ of unsigned × signed byte pairs, as 8 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
+}
+
+/// Dot product of one weight row of `dtype` with one activation row in
+/// `ActFormat::for_weight(dtype)`.
+///
+/// # Safety
+/// - The CPU supports AVX2, FMA and F16C.
+/// - `w.len() >= dtype.row_bytes(cols)` and
+///   `x.len() >= ActFormat::for_weight(dtype).row_bytes(cols)`, with `cols`
+///   a whole number of blocks of `dtype`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn vec_dot(dtype: DType, cols: usize, w: &[u8], x: &[u8]) -> f32 {
+    debug_assert!(Some(w.len()) >= dtype.row_bytes(cols));
+    debug_assert!(x.len() >= ActFormat::for_weight(dtype).row_bytes(cols));
+    let (w, x) = (w.as_ptr(), x.as_ptr());
+    // SAFETY: the caller guarantees the features and that both rows hold
+    // every block each arm's kernel reads.
+    unsafe {
+        match dtype {
+            DType::F32 => dot_f32(cols, w.cast(), x.cast()),
+            DType::F16 => dot_f16_f16(cols, w, x),
+            DType::Q4_0 => dot_q4_0(cols / 32, w, x),
+            DType::Q4_1 => dot_q4_1(cols / 32, w, x),
+            DType::Q8_0 => dot_q8_0(cols / 32, w, x),
+            DType::Q4K => dot_q4k(cols / QK_K, w, x),
+            DType::Q6K => dot_q6k(cols / QK_K, w, x),
+        }
+    }
+}
+
+/// # Safety
+/// AVX2/FMA/F16C; `n` readable f32 at `a` and at `b` (any alignment).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f32(n: usize, a: *const f32, b: *const f32) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: every load reads indices < n of both rows.
+    unsafe {
+        while i + 32 <= n {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let o = i + 8 * k;
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(o)), _mm256_loadu_ps(b.add(o)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc[0]);
+            i += 8;
+        }
+        let mut s = hsum_f32(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ));
+        while i < n {
+            s += a.add(i).read_unaligned() * b.add(i).read_unaligned();
+            i += 1;
+        }
+        s
+    }
+}
+
+/// # Safety
+/// AVX2/FMA/F16C; `2n` readable bytes (n f16) at `a` and at `b`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16_f16(n: usize, a: *const u8, b: *const u8) -> f32 {
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: every load reads f16 indices < n of both rows.
+    unsafe {
+        while i + 16 <= n {
+            let a0 = _mm256_cvtph_ps(_mm_loadu_si128(a.add(2 * i).cast()));
+            let b0 = _mm256_cvtph_ps(_mm_loadu_si128(b.add(2 * i).cast()));
+            let a1 = _mm256_cvtph_ps(_mm_loadu_si128(a.add(2 * i + 16).cast()));
+            let b1 = _mm256_cvtph_ps(_mm_loadu_si128(b.add(2 * i + 16).cast()));
+            acc0 = _mm256_fmadd_ps(a0, b0, acc0);
+            acc1 = _mm256_fmadd_ps(a1, b1, acc1);
+            i += 16;
+        }
+        let mut s = hsum_f32(_mm256_add_ps(acc0, acc1));
+        while i < n {
+            s += f16_at(a.add(2 * i)) * f16_at(b.add(2 * i));
+            i += 1;
+        }
+        s
+    }
+}
+
+/// # Safety
+/// AVX2/FMA/F16C; `nb` Q4_0 blocks at `w`, `nb` Q8_0 blocks at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for i in 0..nb {
+        // SAFETY: block i lies inside both rows.
+        unsafe {
+            let (wb, xb) = (w.add(18 * i), x.add(34 * i));
+            let d = _mm256_set1_ps(f16_at(wb) * f16_at(xb));
+            let qw = _mm256_sub_epi8(nibbles(wb.add(2)), _mm256_set1_epi8(8));
+            let q = _mm256_cvtepi32_ps(dot_i8_i8(qw, load32(xb.add(2))));
+            acc = _mm256_fmadd_ps(d, q, acc);
+        }
+    }
+    hsum_f32(acc)
+}
+
+/// # Safety
+/// AVX2/FMA/F16C; `nb` Q4_1 blocks at `w`, `nb` Q8_1 blocks at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_1(nb: usize, w: *const u8, x: *const u8) -> f32 {
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut summs = 0.0f32;
+    let mut i = 0;
+    // SAFETY: blocks i and i+1 lie inside both rows (i + 1 < nb checked).
+    unsafe {
+        while i + 1 < nb {
+            let (wb0, xb0) = (w.add(20 * i), x.add(Q8_1_BLOCK_BYTES * i));
+            let (wb1, xb1) = (wb0.add(20), xb0.add(Q8_1_BLOCK_BYTES));
+            summs += f16_at(wb0.add(2)) * f16_at(xb0.add(2));
+            summs += f16_at(wb1.add(2)) * f16_at(xb1.add(2));
+            let d0 = _mm256_set1_ps(f16_at(wb0) * f16_at(xb0));
+            let d1 = _mm256_set1_ps(f16_at(wb1) * f16_at(xb1));
+            let q0 = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb0.add(4)), load32(xb0.add(4))));
+            let q1 = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb1.add(4)), load32(xb1.add(4))));
+            acc0 = _mm256_fmadd_ps(d0, q0, acc0);
+            acc1 = _mm256_fmadd_ps(d1, q1, acc1);
+            i += 2;
+        }
+        if i < nb {
+            let (wb, xb) = (w.add(20 * i), x.add(Q8_1_BLOCK_BYTES * i));
+            summs += f16_at(wb.add(2)) * f16_at(xb.add(2));
+            let d = _mm256_set1_ps(f16_at(wb) * f16_at(xb));
+            let q = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb.add(4)), load32(xb.add(4))));
+            acc0 = _mm256_fmadd_ps(d, q, acc0);
+        }
+    }
+    hsum_f32(_mm256_add_ps(acc0, acc1)) + summs
+}
+
+/// # Safety
+/// AVX2/FMA/F16C; `nb` Q8_0 blocks at `w` and at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: blocks i and i+1 lie inside both rows (i + 1 < nb checked).
+    unsafe {
+        while i + 1 < nb {
+            let (wb0, xb0) = (w.add(34 * i), x.add(34 * i));
+            let (wb1, xb1) = (wb0.add(34), xb0.add(34));
+            let d0 = _mm256_set1_ps(f16_at(wb0) * f16_at(xb0));
+            let d1 = _mm256_set1_ps(f16_at(wb1) * f16_at(xb1));
+            let q0 = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb0.add(2)), load32(xb0.add(2))));
+            let q1 = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb1.add(2)), load32(xb1.add(2))));
+            acc0 = _mm256_fmadd_ps(d0, q0, acc0);
+            acc1 = _mm256_fmadd_ps(d1, q1, acc1);
+            i += 2;
+        }
+        if i < nb {
+            let (wb, xb) = (w.add(34 * i), x.add(34 * i));
+            let d = _mm256_set1_ps(f16_at(wb) * f16_at(xb));
+            let q = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb.add(2)), load32(xb.add(2))));
+            acc0 = _mm256_fmadd_ps(d, q, acc0);
+        }
+    }
+    hsum_f32(_mm256_add_ps(acc0, acc1))
+}
+
+/// The 16 `bsums` of a Q8_K block at `xb`.
+///
+/// # Safety
+/// A whole Q8_K block is readable at `xb`.
+#[inline]
+unsafe fn q8k_bsums(xb: *const u8) -> [i32; 16] {
+    let mut b = [0i32; 16];
+    for (g, v) in b.iter_mut().enumerate() {
+        // SAFETY: bsums occupy bytes 260..292 of the block.
+        *v = i32::from(unsafe { xb.add(4 + QK_K + 2 * g).cast::<i16>().read_unaligned() });
+    }
+    b
+}
+
+/// # Safety
+/// AVX2/FMA/F16C; `nb` Q4_K blocks at `w`, `nb` Q8_K blocks at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4k(nb: usize, w: *const u8, x: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = 0.0f32;
+    let low = _mm256_set1_epi8(0x0F);
+    for i in 0..nb {
+        // SAFETY: block i lies inside both rows.
+        unsafe {
+            let (wb, xb) = (w.add(144 * i), x.add(Q8_K_BLOCK_BYTES * i));
+            let dy = xb.cast::<f32>().read_unaligned();
+            let d = dy * f16_at(wb);
+            let dmin = dy * f16_at(wb.add(2));
+            let scales = std::slice::from_raw_parts(wb.add(4), 12);
+            let bsums = q8k_bsums(xb);
+            let mut summ = 0i32;
+            let mut sumi = _mm256_setzero_si256();
+            for c in 0..4 {
+                let (s1, m1) = q4k_scale_min(2 * c, scales);
+                let (s2, m2) = q4k_scale_min(2 * c + 1, scales);
+                summ += i32::from(m1) * (bsums[4 * c] + bsums[4 * c + 1]);
+                summ += i32::from(m2) * (bsums[4 * c + 2] + bsums[4 * c + 3]);
+                let q4 = load32(wb.add(16 + 32 * c));
+                let lo = _mm256_and_si256(q4, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low);
+                let pl = _mm256_maddubs_epi16(lo, load32(xb.add(4 + 64 * c)));
+                let ph = _mm256_maddubs_epi16(hi, load32(xb.add(4 + 64 * c + 32)));
+                let pl = _mm256_madd_epi16(pl, _mm256_set1_epi16(i16::from(s1)));
+                let ph = _mm256_madd_epi16(ph, _mm256_set1_epi16(i16::from(s2)));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            acc_m += dmin * summ as f32;
+        }
+    }
+    hsum_f32(acc) - acc_m
+}
+
+/// # Safety
+/// AVX2/FMA/F16C; `nb` Q6_K blocks at `w`, `nb` Q8_K blocks at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q6k(nb: usize, w: *const u8, x: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_bias = 0.0f32;
+    let low = _mm256_set1_epi8(0x0F);
+    let three = _mm256_set1_epi8(3);
+    for i in 0..nb {
+        // SAFETY: block i lies inside both rows.
+        unsafe {
+            let (wb, xb) = (w.add(210 * i), x.add(Q8_K_BLOCK_BYTES * i));
+            let d = f16_at(wb.add(208)) * xb.cast::<f32>().read_unaligned();
+            let sc: [i16; 16] = std::array::from_fn(|g| i16::from(*wb.add(192 + g) as i8));
+            let bsums = q8k_bsums(xb);
+            let bias: i32 = (0..16).map(|g| i32::from(sc[g]) * bsums[g]).sum();
+            let mut sumi = _mm256_setzero_si256();
+            for half in 0..2 {
+                let ql0 = load32(wb.add(64 * half));
+                let ql1 = load32(wb.add(64 * half + 32));
+                let qh = load32(wb.add(128 + 32 * half));
+                let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, three), 4);
+                let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4);
+                let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4);
+                let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4);
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, low), h0),
+                    _mm256_or_si256(_mm256_and_si256(ql1, low), h1),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), h2),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), h3),
+                ];
+                for (k, qk) in q.iter().enumerate() {
+                    let g = 8 * half + 2 * k;
+                    let p = _mm256_maddubs_epi16(*qk, load32(xb.add(4 + 128 * half + 32 * k)));
+                    let s = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+                }
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            acc_bias += d * (32 * bias) as f32;
+        }
+    }
+    hsum_f32(acc) - acc_bias
+}
+
+/// `Σ q[i] * k[i]` with `k` in f16.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `q.len() == k.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f32_f16(q: &[f32], k: &[f16]) -> f32 {
+    debug_assert_eq!(q.len(), k.len());
+    let n = q.len();
+    let (qp, kp) = (q.as_ptr(), k.as_ptr().cast::<u8>());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: every load reads indices < n of both slices.
+    unsafe {
+        while i + 16 <= n {
+            let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(2 * i).cast()));
+            let k1 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(2 * i + 16).cast()));
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), k0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i + 8)), k1, acc1);
+            i += 16;
+        }
+        let mut s = hsum_f32(_mm256_add_ps(acc0, acc1));
+        while i < n {
+            s += *qp.add(i) * f16_at(kp.add(2 * i));
+            i += 1;
+        }
+        s
+    }
+}
+
+/// `out[i] += a * v[i]` with `v` in f16.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `out.len() == v.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_f16(out: &mut [f32], a: f32, v: &[f16]) {
+    debug_assert_eq!(out.len(), v.len());
+    let n = out.len();
+    let (op, vp) = (out.as_mut_ptr(), v.as_ptr().cast::<u8>());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    // SAFETY: every access is at an index < n of both slices.
+    unsafe {
+        while i + 8 <= n {
+            let vv = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(2 * i).cast()));
+            _mm256_storeu_ps(
+                op.add(i),
+                _mm256_fmadd_ps(av, vv, _mm256_loadu_ps(op.add(i))),
+            );
+            i += 8;
+        }
+        while i < n {
+            *op.add(i) += a * f16_at(vp.add(2 * i));
+            i += 1;
+        }
+    }
+}
