@@ -19,8 +19,8 @@ use kvsan_kernels::attention::{
 };
 use kvsan_kernels::cuda::result::{driver_present, nvrtc_present};
 use kvsan_kernels::cuda::{
-    CompileTarget, CudaError, CudaKernels, CudaKvPool, ImageKind, POISON_F16_BITS, SOURCES,
-    compile, cuda_available, nvrtc_version, supported_archs,
+    CompileTarget, CudaError, CudaKernels, CudaKvPool, CudaSource, ImageKind, POISON_F16_BITS,
+    SOURCES, compile, cuda_available, nvrtc_version, supported_archs,
 };
 use kvsan_kernels::error::KernelError;
 use kvsan_sanitizer::{Generation, PageId, PageRef};
@@ -30,12 +30,7 @@ use rand::{Rng, SeedableRng};
 
 #[test]
 fn cuda_sources_compile_with_nvrtc() {
-    if !nvrtc_present() {
-        assert!(
-            std::env::var_os("KVSAN_REQUIRE_NVRTC").is_none(),
-            "KVSAN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
-        );
-        eprintln!("skipped: libnvrtc cannot be loaded here (scripts/nvrtc-check installs one)");
+    if !nvrtc_or_skip() {
         return;
     }
     let (major, minor) = nvrtc_version().expect("NVRTC version");
@@ -83,6 +78,44 @@ fn cuda_sources_compile_with_nvrtc() {
                 }
             }
         }
+    }
+}
+
+/// Whether NVRTC can be loaded; a failure when `KVSAN_REQUIRE_NVRTC` is set.
+fn nvrtc_or_skip() -> bool {
+    if nvrtc_present() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("KVSAN_REQUIRE_NVRTC").is_none(),
+        "KVSAN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
+    );
+    eprintln!("skipped: libnvrtc cannot be loaded here (scripts/nvrtc-check installs one)");
+    false
+}
+
+#[test]
+fn a_source_nvrtc_rejects_comes_back_as_an_error_with_the_compiler_log() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let broken = CudaSource {
+        name: c"broken.cu",
+        code: c"extern \"C\" __global__ void k(float* x) { x[0] = no_such_value; }",
+        kernels: &["k"],
+    };
+    match compile(&broken, CompileTarget::cubin(90)) {
+        Err(CudaError::Compile {
+            source_name,
+            target,
+            log,
+            ..
+        }) => {
+            assert_eq!(source_name, "broken.cu");
+            assert_eq!(target, "sm_90");
+            assert!(log.contains("no_such_value"), "log: {log}");
+        }
+        other => panic!("expected a compile error, got {other:?}"),
     }
 }
 

@@ -316,7 +316,11 @@ pub fn compile(source: &CudaSource, target: CompileTarget) -> Result<CompiledMod
                 source_name: source.name.to_string_lossy().into_owned(),
                 target: target.to_string(),
                 source: nvrtc,
-                log: program.log()?,
+                // The compile error is the one to report; a log that cannot
+                // be read is said so inside it.
+                log: program
+                    .log()
+                    .unwrap_or_else(|err| format!("(NVRTC log unavailable: {err})")),
             }),
         }
     };
