@@ -37,9 +37,9 @@ extern "C" __global__ void kvsan_poison_pages(
 // Copies page pairs[2k] of `src` to page pairs[2k + 1] of `dst`. Both pools
 // have the same page_elems; `src` and `dst` are different allocations, and the
 // host refuses a destination page listed twice, so no two blocks write the
-// same element. When page_elems is a multiple of 8 every page starts 16-byte
-// aligned (device allocations are 256-byte aligned) and the copy moves 16
-// bytes per thread.
+// same element. When both pools start 16-byte aligned (device allocations
+// do) and page_elems is a multiple of 8, every page starts 16-byte aligned
+// and the copy moves 16 bytes per thread; otherwise 2 bytes.
 extern "C" __global__ void kvsan_copy_pages(
     const unsigned short* __restrict__ src,
     unsigned int src_pages,
@@ -55,7 +55,10 @@ extern "C" __global__ void kvsan_copy_pages(
     }
     const unsigned long long stride = (unsigned long long)gridDim.y * blockDim.x;
     const unsigned long long first = (unsigned long long)blockIdx.y * blockDim.x + threadIdx.x;
-    if (page_elems % 8ull == 0ull) {
+    const bool aligned =
+        ((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst))
+         & 15ull) == 0ull;
+    if (aligned && page_elems % 8ull == 0ull) {
         const uint4* s = reinterpret_cast<const uint4*>(src + (unsigned long long)from * page_elems);
         uint4* d = reinterpret_cast<uint4*>(dst + (unsigned long long)to * page_elems);
         const unsigned long long n = page_elems / 8ull;

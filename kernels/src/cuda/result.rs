@@ -498,9 +498,9 @@ pub(crate) unsafe fn launch_copy(
         .arg(args.pairs);
     // SAFETY: arguments match the kernel's parameters in order and type; the
     // kernel reads and writes only whole pages below `src_pages`/`dst_pages`,
-    // inside the buffers by the caller's guarantee, and its 16-byte path runs
-    // only when every page start is 16-byte aligned (page_elems % 8 == 0 on
-    // 256-byte-aligned allocations).
+    // inside the buffers by the caller's guarantee, and takes its 16-byte
+    // path only when it has checked that both buffers start 16-byte aligned
+    // and page_elems % 8 == 0, so every page start is aligned too.
     unsafe { launch.launch(config) }.map_err(CudaError::driver("launch kvsan_copy_pages"))?;
     Ok(())
 }
