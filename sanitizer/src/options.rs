@@ -192,7 +192,7 @@ declare_options! {
         "Write reports to `<log_path>.<pid>` instead of stderr (empty: stderr).";
     report_format: ReportFormat = ReportFormat::Text,
         "Report form: `text` (human block), `json` (one JSON line), or `both`.";
-    history_depth: u32 = 4,
+    history_depth: u32 = 5,
         "Events kept per page in its origin history ring (alloc, first write, send, recv, commit, share, free).";
     quarantine_pages: u32 = 64,
         "Freed pages held Quarantined per pool (FIFO) before they count as Free.";

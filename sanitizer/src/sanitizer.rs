@@ -670,7 +670,7 @@ impl Sanitizer {
                         i,
                         0..needed,
                         &layers,
-                        step,
+                        Some(step),
                         "reading",
                     ) {
                         return Ok(verdict);
@@ -694,7 +694,7 @@ impl Sanitizer {
         index: usize,
         slots: Range<u32>,
         layers: &Range<u32>,
-        step: u64,
+        step: Option<u64>,
         action: &str,
     ) -> Option<Verdict> {
         let (kind, word, slot) = match check {
@@ -713,7 +713,7 @@ impl Sanitizer {
         };
         let ps = u64::from(shadow.geometry.page_slots);
         let detail = match (kind, slot) {
-            (ViolationKind::StaleRead, Some(s)) => {
+            (ViolationKind::StaleRead | ViolationKind::UnwrittenTransfer, Some(s)) => {
                 let written = view.written_layers(s, layers);
                 format!(
                     "slot {s} (token {}) not written for layers {}..{} in gen {}: {written} of {} layers written",
@@ -736,7 +736,7 @@ impl Sanitizer {
                 Finding::new(kind, owner, action)
                     .at(shadow.id, page)
                     .slot(slot)
-                    .step(Some(step))
+                    .step(step)
                     .detail(detail),
             ),
         )
@@ -803,7 +803,7 @@ impl Sanitizer {
                 *i,
                 slots.clone(),
                 &manifest.layers,
-                0,
+                None,
                 "sending",
             ) {
                 return Ok(v);

@@ -1,0 +1,166 @@
+//! Shared fixtures: a sanitizer with a prefill and a decode pool in
+//! SmolLM2-135M's geometry, reports captured in memory.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::ops::Range;
+use std::sync::Arc;
+
+use kvsan_sanitizer::{
+    Manifest, NodeRole, Options, Owner, PageId, PageRef, PoolGeometry, PoolId, Sanitizer,
+};
+use parking_lot::Mutex;
+
+pub const LAYERS: u32 = 30;
+pub const SLOTS: u32 = 16;
+pub const ALL: Range<u32> = 0..LAYERS;
+
+/// A writer whose bytes the test can read back.
+#[derive(Clone, Default)]
+pub struct Captured(pub Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    pub fn text(&self) -> String {
+        String::from_utf8(self.0.lock().clone()).expect("reports are UTF-8")
+    }
+}
+
+pub struct Fixture {
+    pub san: Sanitizer,
+    pub decode: PoolId,
+    pub prefill: PoolId,
+    pub out: Captured,
+}
+
+pub fn geometry(role: NodeRole, node: &str, pages: u32) -> PoolGeometry {
+    PoolGeometry {
+        pages,
+        page_slots: SLOTS,
+        layers: LAYERS,
+        bytes_per_slot: 2 * 3 * 64 * 2,
+        role,
+        node: node.into(),
+    }
+}
+
+pub fn fixture_with(options: &str) -> Fixture {
+    let out = Captured::default();
+    let san = Sanitizer::with_writer(Options::parse(options).expect("test options"), out.clone());
+    let decode = san
+        .pool_register(geometry(NodeRole::Decode, "decode-0", 8))
+        .unwrap();
+    let prefill = san
+        .pool_register(geometry(NodeRole::Prefill, "prefill-0", 8))
+        .unwrap();
+    Fixture {
+        san,
+        decode,
+        prefill,
+        out,
+    }
+}
+
+pub fn fixture() -> Fixture {
+    fixture_with("")
+}
+
+pub const A: Owner = Owner::new(4, 1);
+pub const B: Owner = Owner::new(7, 2);
+
+impl Fixture {
+    pub fn alloc(&self, pool: PoolId, page: u32, owner: Owner, step: u64) -> PageRef {
+        let (v, generation) = self.san.alloc(pool, PageId(page), owner, step).unwrap();
+        assert!(v.is_continue(), "alloc of page {page} by {owner}: {v:?}");
+        PageRef {
+            page: PageId(page),
+            generation,
+        }
+    }
+
+    pub fn write_all(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        slots: Range<u32>,
+        step: u64,
+    ) {
+        let v = self.san.write(pool, owner, page, slots, ALL, step).unwrap();
+        assert!(v.is_continue(), "write by {owner}: {v:?}");
+    }
+
+    pub fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) {
+        let v = self.san.free(pool, owner, page, step).unwrap();
+        assert!(v.is_continue(), "free by {owner}: {v:?}");
+    }
+}
+
+pub fn manifest(
+    request: Owner,
+    src: &[PageRef],
+    dst: &[PageRef],
+    first: u32,
+    tokens: u32,
+) -> Manifest {
+    Manifest {
+        request,
+        src_pool: PoolId(1),
+        src_pages: src.to_vec(),
+        dst_pool: PoolId(0),
+        dst_pages: dst.to_vec(),
+        first_token: first,
+        tokens,
+        layers: ALL,
+        checksum: 0x5eed,
+    }
+}
+
+/// Replaces violation ids (`KV-000123`) with `KV-NNNNNN`.
+pub fn normalise(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("KV-") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 3..];
+        let digits = after.chars().take_while(char::is_ascii_digit).count();
+        if digits > 0 {
+            out.push_str("KV-NNNNNN");
+        } else {
+            out.push_str("KV-");
+        }
+        rest = &after[digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Compares `text` (normalised) with `tests/golden/<name>.txt`;
+/// `KVSAN_BLESS=1` rewrites the file instead.
+pub fn assert_golden(name: &str, text: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(format!("{name}.txt"));
+    let text = normalise(text);
+    if std::env::var("KVSAN_BLESS").is_ok_and(|v| v == "1") {
+        std::fs::write(&path, &text).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (run with KVSAN_BLESS=1 to create)", path.display()));
+    assert_eq!(
+        text,
+        expected,
+        "report differs from {} (KVSAN_BLESS=1 rewrites it)",
+        path.display()
+    );
+}

@@ -1,0 +1,543 @@
+//! Every violation kind: a test that provokes it (and compares its report with
+//! the golden file `tests/golden/<kind>.txt`), and a test showing that the
+//! legal neighbour of the provoking sequence passes.
+
+mod common;
+
+use common::*;
+use kvsan_sanitizer::{PageId, PageRef, PageState, RequestEvent, Verdict, ViolationKind};
+
+/// Asserts `v` aborts with `kind`, that exactly one violation was recorded,
+/// and that its report matches the golden file.
+fn assert_provoked(f: &Fixture, v: Verdict, kind: ViolationKind) {
+    assert_eq!(v.kind(), Some(kind), "verdict {v:?}\n{}", f.out.text());
+    let recorded = f.san.violations();
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert_eq!(recorded[0].kind, kind);
+    assert_eq!(f.san.count(kind), 1);
+    let text = f.out.text();
+    assert!(
+        text.contains(&format!("kvsan: ERROR: {}", kind.name())),
+        "{text}"
+    );
+    assert_golden(kind.name(), &text);
+}
+
+fn assert_clean(f: &Fixture, v: Verdict) {
+    assert!(v.is_continue(), "verdict {v:?}\n{}", f.out.text());
+    assert_eq!(f.san.violation_count(), 0, "{}", f.out.text());
+    assert!(f.out.text().is_empty());
+}
+
+// ---------------------------------------------------------------- stale-read
+
+/// The incident: request 7 gets page 3 after request 4 freed it, writes one
+/// token (the placeholder), then attention reads the whole page.
+fn recycled_page(f: &Fixture) -> PageRef {
+    let old = f.alloc(f.decode, 3, A, 10);
+    f.write_all(f.decode, A, old, 0..SLOTS, 11);
+    f.free(f.decode, A, old, 30);
+    let new = f.alloc(f.decode, 3, B, 41);
+    f.write_all(f.decode, B, new, 0..1, 42);
+    new
+}
+
+#[test]
+fn reading_slots_a_recycled_page_still_holds_from_another_request_is_stale_read() {
+    let f = fixture();
+    let page = recycled_page(&f);
+    let v = f.san.read(f.decode, B, &[page], 16, ALL, 43).unwrap();
+    assert_provoked(&f, v, ViolationKind::StaleRead);
+}
+
+#[test]
+fn reading_only_the_slots_the_owner_wrote_passes() {
+    let f = fixture();
+    let page = recycled_page(&f);
+    let v = f.san.read(f.decode, B, &[page], 1, ALL, 43).unwrap();
+    assert_clean(&f, v);
+}
+
+#[test]
+fn reading_a_layer_the_owner_has_not_written_yet_is_stale_read_but_earlier_layers_pass() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 0, A, 1);
+    assert!(
+        f.san
+            .write(f.decode, A, page, 0..4, 0..10, 2)
+            .unwrap()
+            .is_continue()
+    );
+    assert!(
+        f.san
+            .read(f.decode, A, &[page], 4, 0..10, 3)
+            .unwrap()
+            .is_continue()
+    );
+    let v = f.san.read(f.decode, A, &[page], 4, 0..11, 3).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::StaleRead));
+}
+
+// -------------------------------------------------------------- foreign-read
+
+fn written_page(f: &Fixture) -> PageRef {
+    let page = f.alloc(f.decode, 2, A, 1);
+    f.write_all(f.decode, A, page, 0..SLOTS, 2);
+    page
+}
+
+#[test]
+fn reading_another_requests_page_is_foreign_read() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.read(f.decode, B, &[page], 16, ALL, 3).unwrap();
+    assert_provoked(&f, v, ViolationKind::ForeignRead);
+}
+
+#[test]
+fn reading_a_page_shared_by_the_prefix_cache_passes() {
+    let f = fixture();
+    let page = written_page(&f);
+    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
+    let v = f.san.read(f.decode, B, &[page], 16, ALL, 3).unwrap();
+    assert_clean(&f, v);
+}
+
+// ------------------------------------------------------- generation-mismatch
+
+fn reallocated(f: &Fixture) -> (PageRef, PageRef) {
+    let old = f.alloc(f.decode, 5, A, 1);
+    f.write_all(f.decode, A, old, 0..SLOTS, 2);
+    f.free(f.decode, A, old, 3);
+    let new = f.alloc(f.decode, 5, B, 4);
+    f.write_all(f.decode, B, new, 0..SLOTS, 5);
+    (old, new)
+}
+
+#[test]
+fn reading_through_a_stale_block_table_is_generation_mismatch() {
+    let f = fixture();
+    let (old, _) = reallocated(&f);
+    let v = f.san.read(f.decode, A, &[old], 16, ALL, 6).unwrap();
+    assert_provoked(&f, v, ViolationKind::GenerationMismatch);
+}
+
+#[test]
+fn reading_through_the_current_tag_passes() {
+    let f = fixture();
+    let (_, new) = reallocated(&f);
+    let v = f.san.read(f.decode, B, &[new], 16, ALL, 6).unwrap();
+    assert_clean(&f, v);
+}
+
+#[test]
+fn writing_through_a_stale_tag_is_generation_mismatch() {
+    let f = fixture();
+    let (old, _) = reallocated(&f);
+    let v = f.san.write(f.decode, A, old, 0..1, ALL, 6).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::GenerationMismatch));
+}
+
+// ------------------------------------------------------------ read-free-page
+
+#[test]
+fn reading_a_freed_page_is_read_free_page() {
+    let f = fixture();
+    let page = written_page(&f);
+    f.free(f.decode, A, page, 3);
+    let v = f.san.read(f.decode, A, &[page], 16, ALL, 4).unwrap();
+    assert_provoked(&f, v, ViolationKind::ReadFreePage);
+}
+
+#[test]
+fn reading_before_the_free_passes() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.read(f.decode, A, &[page], 16, ALL, 3).unwrap();
+    assert_clean(&f, v);
+    f.free(f.decode, A, page, 4);
+}
+
+// ------------------------------------------------------ read-during-transfer
+
+fn received(f: &Fixture) -> (PageRef, kvsan_sanitizer::Manifest) {
+    let src = f.alloc(f.prefill, 0, A, 1);
+    f.write_all(f.prefill, A, src, 0..SLOTS, 2);
+    let dst = f.alloc(f.decode, 6, A, 1);
+    let m = manifest(A, &[src], &[dst], 0, 16);
+    assert!(f.san.transfer_send(f.prefill, &m).unwrap().is_continue());
+    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    (dst, m)
+}
+
+#[test]
+fn reading_before_the_transfer_is_committed_is_read_during_transfer() {
+    let f = fixture();
+    let (dst, _) = received(&f);
+    let v = f.san.read(f.decode, A, &[dst], 16, ALL, 3).unwrap();
+    assert_provoked(&f, v, ViolationKind::ReadDuringTransfer);
+}
+
+#[test]
+fn reading_after_the_commit_passes() {
+    let f = fixture();
+    let (dst, _) = received(&f);
+    assert!(
+        f.san
+            .transfer_commit(f.decode, A, &[dst], 16)
+            .unwrap()
+            .is_continue()
+    );
+    let v = f.san.read(f.decode, A, &[dst], 16, ALL, 3).unwrap();
+    assert_clean(&f, v);
+    assert_eq!(
+        f.san.page_info(f.decode, dst.page).unwrap().state,
+        PageState::Owned
+    );
+}
+
+// ------------------------------------------------------------- foreign-write
+
+#[test]
+fn writing_into_a_shared_prefix_page_is_foreign_write() {
+    let f = fixture();
+    let page = written_page(&f);
+    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
+    let v = f.san.write(f.decode, B, page, 3..4, ALL, 3).unwrap();
+    assert_provoked(&f, v, ViolationKind::ForeignWrite);
+}
+
+#[test]
+fn writing_into_another_requests_page_is_foreign_write() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.write(f.decode, B, page, 3..4, ALL, 3).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ForeignWrite));
+}
+
+#[test]
+fn the_owner_writing_its_page_passes() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.write(f.decode, A, page, 3..4, ALL, 3).unwrap();
+    assert_clean(&f, v);
+}
+
+#[test]
+fn a_transfer_landing_in_a_page_another_request_holds_is_foreign_write() {
+    let f = fixture();
+    let src = f.alloc(f.prefill, 0, A, 1);
+    f.write_all(f.prefill, A, src, 0..SLOTS, 2);
+    let dst = f.alloc(f.decode, 6, B, 1);
+    let v = f
+        .san
+        .transfer_recv(f.decode, &manifest(A, &[src], &[dst], 0, 16))
+        .unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ForeignWrite));
+}
+
+// ---------------------------------------------------------- write-after-free
+
+#[test]
+fn a_late_transfer_into_a_freed_reservation_is_write_after_free() {
+    let f = fixture();
+    let src = f.alloc(f.prefill, 0, A, 1);
+    f.write_all(f.prefill, A, src, 0..SLOTS, 2);
+    let dst = f.alloc(f.decode, 6, A, 1);
+    f.free(f.decode, A, dst, 2);
+    let v = f
+        .san
+        .transfer_recv(f.decode, &manifest(A, &[src], &[dst], 0, 16))
+        .unwrap();
+    assert_provoked(&f, v, ViolationKind::WriteAfterFree);
+}
+
+#[test]
+fn a_compute_write_into_a_freed_page_is_write_after_free() {
+    let f = fixture();
+    let page = written_page(&f);
+    f.free(f.decode, A, page, 3);
+    let v = f.san.write(f.decode, A, page, 0..1, ALL, 4).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::WriteAfterFree));
+}
+
+#[test]
+fn a_transfer_landing_before_the_free_passes() {
+    let f = fixture();
+    let (dst, _) = received(&f);
+    assert!(
+        f.san
+            .transfer_commit(f.decode, A, &[dst], 16)
+            .unwrap()
+            .is_continue()
+    );
+    f.free(f.decode, A, dst, 9);
+    assert_clean(&f, Verdict::Continue);
+}
+
+// -------------------------------------------------------------- double-alloc
+
+#[test]
+fn allocating_an_allocated_page_is_double_alloc() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 1, A, 1);
+    let (v, generation) = f.san.alloc(f.decode, PageId(1), B, 2).unwrap();
+    assert_eq!(generation, page.generation, "the page keeps its generation");
+    assert_eq!(f.san.page_info(f.decode, PageId(1)).unwrap().owner, A);
+    assert_provoked(&f, v, ViolationKind::DoubleAlloc);
+}
+
+#[test]
+fn allocating_a_quarantined_page_passes_with_the_next_generation() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 1, A, 1);
+    f.free(f.decode, A, page, 2);
+    assert_eq!(
+        f.san.page_info(f.decode, PageId(1)).unwrap().state,
+        PageState::Quarantined
+    );
+    let (v, generation) = f.san.alloc(f.decode, PageId(1), B, 3).unwrap();
+    assert_eq!(generation, page.generation.next());
+    assert_clean(&f, v);
+}
+
+// --------------------------------------------------------------- double-free
+
+#[test]
+fn freeing_a_page_twice_is_double_free() {
+    let f = fixture();
+    let page = written_page(&f);
+    f.free(f.decode, A, page, 3);
+    let v = f.san.free(f.decode, A, page, 4).unwrap();
+    assert_provoked(&f, v, ViolationKind::DoubleFree);
+}
+
+#[test]
+fn freeing_through_a_stale_generation_is_double_free() {
+    let f = fixture();
+    let (old, _) = reallocated(&f);
+    let v = f.san.free(f.decode, A, old, 6).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::DoubleFree));
+    assert_eq!(f.san.page_info(f.decode, old.page).unwrap().owner, B);
+}
+
+#[test]
+fn owner_and_sharer_each_freeing_once_passes_and_releases_at_the_last() {
+    let f = fixture();
+    let page = written_page(&f);
+    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
+    f.free(f.decode, A, page, 3);
+    let info = f.san.page_info(f.decode, page.page).unwrap();
+    assert_eq!(info.state, PageState::Owned, "a sharer still holds it");
+    assert!(info.owner_released);
+    assert!(
+        f.san
+            .read(f.decode, B, &[page], 16, ALL, 4)
+            .unwrap()
+            .is_continue()
+    );
+    f.free(f.decode, B, page, 5);
+    assert_eq!(
+        f.san.page_info(f.decode, page.page).unwrap().state,
+        PageState::Quarantined
+    );
+    assert_clean(&f, Verdict::Continue);
+}
+
+// -------------------------------------------------------------- foreign-free
+
+#[test]
+fn freeing_another_requests_page_is_foreign_free() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.free(f.decode, B, page, 3).unwrap();
+    assert_provoked(&f, v, ViolationKind::ForeignFree);
+    assert_eq!(
+        f.san.page_info(f.decode, page.page).unwrap().state,
+        PageState::Owned
+    );
+}
+
+#[test]
+fn a_sharer_freeing_its_share_passes_and_the_owner_keeps_the_page() {
+    let f = fixture();
+    let page = written_page(&f);
+    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
+    f.free(f.decode, B, page, 3);
+    let info = f.san.page_info(f.decode, page.page).unwrap();
+    assert_eq!(info.state, PageState::Owned);
+    assert!(!info.shared && !info.owner_released);
+    assert_clean(&f, Verdict::Continue);
+}
+
+// ------------------------------------------------- terminal-request-activity
+
+#[test]
+fn a_rejected_request_that_allocates_is_terminal_request_activity() {
+    let f = fixture();
+    assert!(f.san.request_event(B, RequestEvent::Queued).is_continue());
+    assert!(f.san.request_event(B, RequestEvent::Rejected).is_continue());
+    let (v, _) = f.san.alloc(f.decode, PageId(3), B, 41).unwrap();
+    assert_provoked(&f, v, ViolationKind::TerminalRequestActivity);
+}
+
+#[test]
+fn a_rejected_request_admitted_anyway_is_terminal_request_activity() {
+    let f = fixture();
+    assert!(f.san.request_event(B, RequestEvent::Rejected).is_continue());
+    let v = f.san.request_event(B, RequestEvent::Admitted);
+    assert_eq!(v.kind(), Some(ViolationKind::TerminalRequestActivity));
+    assert_eq!(
+        f.san.request_state(B.request),
+        Some(kvsan_sanitizer::RequestState::Rejected)
+    );
+}
+
+#[test]
+fn an_aborted_request_that_reads_sends_or_writes_is_terminal_request_activity() {
+    let f = fixture();
+    let page = f.alloc(f.prefill, 0, A, 1);
+    f.write_all(f.prefill, A, page, 0..SLOTS, 2);
+    f.free(f.prefill, A, page, 3);
+    let page = f.alloc(f.prefill, 1, A, 4);
+    f.write_all(f.prefill, A, page, 0..SLOTS, 5);
+    // Aborting while holding the page: a leak, and the page is marked terminal.
+    let v = f.san.request_event(A, RequestEvent::Aborted);
+    assert_eq!(v.kind(), Some(ViolationKind::PageLeak));
+    for v in [
+        f.san.read(f.prefill, A, &[page], 16, ALL, 6).unwrap(),
+        f.san.write(f.prefill, A, page, 0..1, ALL, 6).unwrap(),
+        f.san
+            .transfer_send(f.prefill, &manifest(A, &[page], &[], 0, 16))
+            .unwrap(),
+    ] {
+        assert_eq!(v.kind(), Some(ViolationKind::TerminalRequestActivity));
+    }
+    // Freeing is cleanup, not activity.
+    f.free(f.prefill, A, page, 7);
+}
+
+#[test]
+fn an_admitted_request_that_allocates_passes() {
+    let f = fixture();
+    assert!(f.san.request_event(B, RequestEvent::Queued).is_continue());
+    assert!(f.san.request_event(B, RequestEvent::Admitted).is_continue());
+    let (v, _) = f.san.alloc(f.decode, PageId(3), B, 41).unwrap();
+    assert_clean(&f, v);
+}
+
+// ------------------------------------------------------------ short-transfer
+
+/// Decode reserved two pages for a 20-token prompt; prefill computed and sent
+/// one token (the placeholder).
+fn short(f: &Fixture) -> Vec<PageRef> {
+    let src = f.alloc(f.prefill, 0, B, 1);
+    f.write_all(f.prefill, B, src, 0..1, 2);
+    let dst = vec![f.alloc(f.decode, 3, B, 1), f.alloc(f.decode, 4, B, 1)];
+    let m = manifest(B, &[src], &dst, 0, 1);
+    assert!(f.san.transfer_send(f.prefill, &m).unwrap().is_continue());
+    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    dst
+}
+
+#[test]
+fn committing_more_tokens_than_arrived_is_short_transfer() {
+    let f = fixture();
+    let dst = short(&f);
+    let v = f.san.transfer_commit(f.decode, B, &dst, 20).unwrap();
+    assert_provoked(&f, v, ViolationKind::ShortTransfer);
+}
+
+#[test]
+fn committing_the_tokens_that_arrived_passes() {
+    let f = fixture();
+    let dst = short(&f);
+    let v = f.san.transfer_commit(f.decode, B, &dst, 1).unwrap();
+    assert_clean(&f, v);
+}
+
+// -------------------------------------------------------- unwritten-transfer
+
+#[test]
+fn sending_slots_the_sender_never_wrote_is_unwritten_transfer() {
+    let f = fixture();
+    let src = f.alloc(f.prefill, 0, B, 1);
+    f.write_all(f.prefill, B, src, 0..1, 2);
+    let dst = [f.alloc(f.decode, 3, B, 1), f.alloc(f.decode, 4, B, 1)];
+    let src2 = f.alloc(f.prefill, 1, B, 1);
+    let v = f
+        .san
+        .transfer_send(f.prefill, &manifest(B, &[src, src2], &dst, 0, 20))
+        .unwrap();
+    assert_provoked(&f, v, ViolationKind::UnwrittenTransfer);
+}
+
+#[test]
+fn sending_only_written_slots_passes() {
+    let f = fixture();
+    let src = f.alloc(f.prefill, 0, B, 1);
+    f.write_all(f.prefill, B, src, 0..1, 2);
+    let dst = [f.alloc(f.decode, 3, B, 1)];
+    let v = f
+        .san
+        .transfer_send(f.prefill, &manifest(B, &[src], &dst, 0, 1))
+        .unwrap();
+    assert_clean(&f, v);
+}
+
+// ----------------------------------------------------------------- page-leak
+
+#[test]
+fn finishing_while_holding_pages_is_page_leak() {
+    let f = fixture();
+    assert!(f.san.request_event(A, RequestEvent::Admitted).is_continue());
+    let page = written_page(&f);
+    let _kept = f.alloc(f.decode, 6, A, 3);
+    assert!(f.san.request_event(A, RequestEvent::Decoding).is_continue());
+    f.free(f.decode, A, page, 4);
+    let v = f.san.request_event(A, RequestEvent::Finished);
+    assert_provoked(&f, v, ViolationKind::PageLeak);
+}
+
+#[test]
+fn finishing_after_freeing_every_page_and_share_passes() {
+    let f = fixture();
+    assert!(f.san.request_event(A, RequestEvent::Admitted).is_continue());
+    let page = written_page(&f);
+    let other = f.alloc(f.decode, 6, B, 3);
+    assert!(f.san.share(f.decode, other, A).unwrap().is_continue());
+    assert!(f.san.request_event(A, RequestEvent::Decoding).is_continue());
+    f.free(f.decode, A, page, 4);
+    f.free(f.decode, A, other, 4);
+    let v = f.san.request_event(A, RequestEvent::Finished);
+    assert_clean(&f, v);
+}
+
+// -------------------------------------------------------- illegal-transition
+
+#[test]
+fn transferring_before_admission_is_illegal_transition() {
+    let f = fixture();
+    assert!(f.san.request_event(A, RequestEvent::Queued).is_continue());
+    let v = f.san.request_event(A, RequestEvent::Transferring);
+    assert_provoked(&f, v, ViolationKind::IllegalTransition);
+}
+
+#[test]
+fn transferring_after_admission_passes() {
+    let f = fixture();
+    assert!(f.san.request_event(A, RequestEvent::Queued).is_continue());
+    assert!(f.san.request_event(A, RequestEvent::Admitted).is_continue());
+    let v = f.san.request_event(A, RequestEvent::Transferring);
+    assert_clean(&f, v);
+}
+
+#[test]
+fn every_kind_has_a_golden_report() {
+    for kind in ViolationKind::ALL {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/golden")
+            .join(format!("{}.txt", kind.name()));
+        assert!(path.exists(), "missing golden report {}", path.display());
+    }
+}
