@@ -143,3 +143,12 @@ fn chat_template_must_be_chatml() {
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+#[test]
+fn model_file_tokenizer_and_template_can_be_shared_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<GgufFile>();
+    shareable::<Tokenizer>();
+    shareable::<ChatTemplate>();
+    shareable::<kvsan_engine::sampler::Sampler>();
+}
