@@ -161,7 +161,7 @@ unsafe fn dot_q4_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
         // SAFETY: block i lies inside both rows.
         unsafe {
             let (wb, xb) = (w.add(18 * i), x.add(34 * i));
-            let d = _mm256_set1_ps(f16_at(wb) * f16_at(xb));
+            let d = _mm256_broadcastss_ps(scale_pairs(wb, xb));
             let qw = _mm256_sub_epi8(nibbles(wb.add(2)), _mm256_set1_epi8(8));
             let q = _mm256_cvtepi32_ps(dot_i8_i8(qw, load32(xb.add(2))));
             acc = _mm256_fmadd_ps(d, q, acc);
@@ -170,38 +170,45 @@ unsafe fn dot_q4_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
     hsum_f32(acc)
 }
 
+/// `[d_w · d_x, m_w · s_x, …]` from the first four bytes (two f16) of a
+/// weight block at `wb` and of an activation block at `xb`, with one
+/// conversion instruction. For blocks with a single scale only lane 0 is
+/// meaningful (lane 1 multiplies quant bytes).
+///
+/// # Safety
+/// AVX2/FMA/F16C; four readable bytes at `wb` and at `xb`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale_pairs(wb: *const u8, xb: *const u8) -> __m128 {
+    // SAFETY: the caller guarantees four readable bytes at each; unaligned reads.
+    let (w2, x2) = unsafe {
+        (
+            wb.cast::<i32>().read_unaligned(),
+            xb.cast::<i32>().read_unaligned(),
+        )
+    };
+    let h = _mm_cvtph_ps(_mm_set_epi32(0, 0, x2, w2));
+    _mm_mul_ps(h, _mm_movehl_ps(h, h))
+}
+
 /// # Safety
 /// AVX2/FMA/F16C; `nb` Q4_1 blocks at `w`, `nb` Q8_1 blocks at `x`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q4_1(nb: usize, w: *const u8, x: *const u8) -> f32 {
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut summs = 0.0f32;
-    let mut i = 0;
-    // SAFETY: blocks i and i+1 lie inside both rows (i + 1 < nb checked).
-    unsafe {
-        while i + 1 < nb {
-            let (wb0, xb0) = (w.add(20 * i), x.add(Q8_1_BLOCK_BYTES * i));
-            let (wb1, xb1) = (wb0.add(20), xb0.add(Q8_1_BLOCK_BYTES));
-            summs += f16_at(wb0.add(2)) * f16_at(xb0.add(2));
-            summs += f16_at(wb1.add(2)) * f16_at(xb1.add(2));
-            let d0 = _mm256_set1_ps(f16_at(wb0) * f16_at(xb0));
-            let d1 = _mm256_set1_ps(f16_at(wb1) * f16_at(xb1));
-            let q0 = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb0.add(4)), load32(xb0.add(4))));
-            let q1 = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb1.add(4)), load32(xb1.add(4))));
-            acc0 = _mm256_fmadd_ps(d0, q0, acc0);
-            acc1 = _mm256_fmadd_ps(d1, q1, acc1);
-            i += 2;
-        }
-        if i < nb {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    // Lane 1 sums m_w · s_x block by block.
+    let mut acc_m = _mm_setzero_ps();
+    for i in 0..nb {
+        // SAFETY: block i lies inside both rows.
+        unsafe {
             let (wb, xb) = (w.add(20 * i), x.add(Q8_1_BLOCK_BYTES * i));
-            summs += f16_at(wb.add(2)) * f16_at(xb.add(2));
-            let d = _mm256_set1_ps(f16_at(wb) * f16_at(xb));
+            let prod = scale_pairs(wb, xb);
+            acc_m = _mm_add_ps(acc_m, prod);
             let q = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb.add(4)), load32(xb.add(4))));
-            acc0 = _mm256_fmadd_ps(d, q, acc0);
+            acc[i & 1] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), q, acc[i & 1]);
         }
     }
-    hsum_f32(_mm256_add_ps(acc0, acc1)) + summs
+    hsum_f32(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(acc_m))
 }
 
 /// # Safety
@@ -216,8 +223,8 @@ unsafe fn dot_q8_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
         while i + 1 < nb {
             let (wb0, xb0) = (w.add(34 * i), x.add(34 * i));
             let (wb1, xb1) = (wb0.add(34), xb0.add(34));
-            let d0 = _mm256_set1_ps(f16_at(wb0) * f16_at(xb0));
-            let d1 = _mm256_set1_ps(f16_at(wb1) * f16_at(xb1));
+            let d0 = _mm256_broadcastss_ps(scale_pairs(wb0, xb0));
+            let d1 = _mm256_broadcastss_ps(scale_pairs(wb1, xb1));
             let q0 = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb0.add(2)), load32(xb0.add(2))));
             let q1 = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb1.add(2)), load32(xb1.add(2))));
             acc0 = _mm256_fmadd_ps(d0, q0, acc0);
@@ -226,7 +233,7 @@ unsafe fn dot_q8_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
         }
         if i < nb {
             let (wb, xb) = (w.add(34 * i), x.add(34 * i));
-            let d = _mm256_set1_ps(f16_at(wb) * f16_at(xb));
+            let d = _mm256_broadcastss_ps(scale_pairs(wb, xb));
             let q = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb.add(2)), load32(xb.add(2))));
             acc0 = _mm256_fmadd_ps(d, q, acc0);
         }
