@@ -85,9 +85,9 @@ pub(crate) unsafe fn vec_dot(dtype: DType, cols: usize, w: &[u8], x: &[u8]) -> f
         match dtype {
             DType::F32 => dot_f32(cols, w.cast(), x.cast()),
             DType::F16 => dot_f16_f16(cols, w, x),
-            DType::Q4_0 => dot_q4_0(cols / 32, w, x),
-            DType::Q4_1 => dot_q4_1(cols / 32, w, x),
-            DType::Q8_0 => dot_q8_0(cols / 32, w, x),
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+                dot_blocks32::<1>(dtype, cols / 32, w, x, 0)[0]
+            }
             DType::Q4K => dot_q4k(cols / QK_K, w, x),
             DType::Q6K => dot_q6k(cols / QK_K, w, x),
         }
@@ -152,24 +152,6 @@ unsafe fn dot_f16_f16(n: usize, a: *const u8, b: *const u8) -> f32 {
     }
 }
 
-/// # Safety
-/// AVX2/FMA/F16C; `nb` Q4_0 blocks at `w`, `nb` Q8_0 blocks at `x`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..nb {
-        // SAFETY: block i lies inside both rows.
-        unsafe {
-            let (wb, xb) = (w.add(18 * i), x.add(34 * i));
-            let d = _mm256_broadcastss_ps(scale_pairs(wb, xb));
-            let qw = _mm256_sub_epi8(nibbles(wb.add(2)), _mm256_set1_epi8(8));
-            let q = _mm256_cvtepi32_ps(dot_i8_i8(qw, load32(xb.add(2))));
-            acc = _mm256_fmadd_ps(d, q, acc);
-        }
-    }
-    hsum_f32(acc)
-}
-
 /// `[d_w · d_x, m_w · s_x, …]` from the first four bytes (two f16) of a
 /// weight block at `wb` and of an activation block at `xb`, with one
 /// conversion instruction. For blocks with a single scale only lane 0 is
@@ -191,54 +173,97 @@ unsafe fn scale_pairs(wb: *const u8, xb: *const u8) -> __m128 {
     _mm_mul_ps(h, _mm_movehl_ps(h, h))
 }
 
+/// The 32 weight quants of a block as bytes for `maddubs` (unsigned for
+/// Q4_1, signed for Q4_0 and Q8_0).
+///
 /// # Safety
-/// AVX2/FMA/F16C; `nb` Q4_1 blocks at `w`, `nb` Q8_1 blocks at `x`.
+/// AVX2/FMA/F16C; a whole block of `dtype` is readable at `wb`.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_1(nb: usize, w: *const u8, x: *const u8) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    // Lane 1 sums m_w · s_x block by block.
-    let mut acc_m = _mm_setzero_ps();
-    for i in 0..nb {
-        // SAFETY: block i lies inside both rows.
-        unsafe {
-            let (wb, xb) = (w.add(20 * i), x.add(Q8_1_BLOCK_BYTES * i));
-            let prod = scale_pairs(wb, xb);
-            acc_m = _mm_add_ps(acc_m, prod);
-            let q = _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb.add(4)), load32(xb.add(4))));
-            acc[i & 1] = _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), q, acc[i & 1]);
+unsafe fn weight_quants(dtype: DType, wb: *const u8) -> __m256i {
+    // SAFETY: the quants lie inside the block (offsets from the block layout).
+    unsafe {
+        match dtype {
+            DType::Q4_0 => _mm256_sub_epi8(nibbles(wb.add(2)), _mm256_set1_epi8(8)),
+            DType::Q4_1 => nibbles(wb.add(4)),
+            _ => load32(wb.add(2)),
         }
     }
-    hsum_f32(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(acc_m))
 }
 
+/// Dot products of one weight row of a 32-value format (Q4_0, Q4_1, Q8_0)
+/// with `N` activation rows `x_stride` bytes apart: each block is unpacked
+/// once for the `N` tokens. Per token the arithmetic (and so the result) is
+/// the same for every `N`, so a token's output does not depend on its batch.
+///
 /// # Safety
-/// AVX2/FMA/F16C; `nb` Q8_0 blocks at `w` and at `x`.
+/// AVX2/FMA/F16C; `nb` blocks of `dtype` at `w`; `N` activation rows of `nb`
+/// blocks of `ActFormat::for_weight(dtype)` at `x + t * x_stride`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_0(nb: usize, w: *const u8, x: *const u8) -> f32 {
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut i = 0;
-    // SAFETY: blocks i and i+1 lie inside both rows (i + 1 < nb checked).
-    unsafe {
-        while i + 1 < nb {
-            let (wb0, xb0) = (w.add(34 * i), x.add(34 * i));
-            let (wb1, xb1) = (wb0.add(34), xb0.add(34));
-            let d0 = _mm256_broadcastss_ps(scale_pairs(wb0, xb0));
-            let d1 = _mm256_broadcastss_ps(scale_pairs(wb1, xb1));
-            let q0 = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb0.add(2)), load32(xb0.add(2))));
-            let q1 = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb1.add(2)), load32(xb1.add(2))));
-            acc0 = _mm256_fmadd_ps(d0, q0, acc0);
-            acc1 = _mm256_fmadd_ps(d1, q1, acc1);
-            i += 2;
-        }
-        if i < nb {
-            let (wb, xb) = (w.add(34 * i), x.add(34 * i));
-            let d = _mm256_broadcastss_ps(scale_pairs(wb, xb));
-            let q = _mm256_cvtepi32_ps(dot_i8_i8(load32(wb.add(2)), load32(xb.add(2))));
-            acc0 = _mm256_fmadd_ps(d, q, acc0);
+unsafe fn dot_blocks32<const N: usize>(
+    dtype: DType,
+    nb: usize,
+    w: *const u8,
+    x: *const u8,
+    x_stride: usize,
+) -> [f32; N] {
+    let (wbb, xbb, xq, signed) = match dtype {
+        DType::Q4_0 => (18, 34, 2, true),
+        DType::Q4_1 => (20, Q8_1_BLOCK_BYTES, 4, false),
+        _ => (34, 34, 2, true),
+    };
+    let mut acc = [_mm256_setzero_ps(); N];
+    // Lane 1 sums m_w · s_x (Q4_1 only).
+    let mut acc_m = [_mm_setzero_ps(); N];
+    for i in 0..nb {
+        // SAFETY: block i of the weight row and of every activation row is
+        // inside the caller's buffers.
+        unsafe {
+            let wb = w.add(wbb * i);
+            let qw = weight_quants(dtype, wb);
+            for t in 0..N {
+                let xb = x.add(t * x_stride + xbb * i);
+                let prod = scale_pairs(wb, xb);
+                let qx = load32(xb.add(xq));
+                let q = if signed {
+                    dot_i8_i8(qw, qx)
+                } else {
+                    dot_u8_i8(qw, qx)
+                };
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), _mm256_cvtepi32_ps(q), acc[t]);
+                if !signed {
+                    acc_m[t] = _mm_add_ps(acc_m[t], prod);
+                }
+            }
         }
     }
-    hsum_f32(_mm256_add_ps(acc0, acc1))
+    std::array::from_fn(|t| hsum_f32(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_m[t])))
+}
+
+/// Four dot products of one weight row with four activation rows
+/// `x_stride` bytes apart, bit-identical to four [`vec_dot`] calls; `None`
+/// for formats without a multi-token kernel.
+///
+/// # Safety
+/// As [`vec_dot`] for each of the four rows at `x + t * x_stride`
+/// (`x.len() >= 3 * x_stride + row bytes`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn vec_dot4(
+    dtype: DType,
+    cols: usize,
+    w: &[u8],
+    x: &[u8],
+    x_stride: usize,
+) -> Option<[f32; 4]> {
+    debug_assert!(x.len() >= 3 * x_stride + ActFormat::for_weight(dtype).row_bytes(cols));
+    match dtype {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+            // SAFETY: the caller guarantees the features and the four rows.
+            Some(unsafe { dot_blocks32::<4>(dtype, cols / 32, w.as_ptr(), x.as_ptr(), x_stride) })
+        }
+        _ => None,
+    }
 }
 
 /// The 16 `bsums` of a Q8_K block at `xb`.

@@ -193,12 +193,27 @@ pub fn matmul_with(exec: Exec, w: &WeightMatrix, x: &[f32], n_tokens: usize, y: 
             let t1 = (t0 + TOKEN_TILE).min(n_tokens);
             for r in r0..r1 {
                 let wr = w.row(r);
-                for t in t0..t1 {
-                    let xr = &xq_ref[t * xrb..(t + 1) * xrb];
-                    let v = dot(isa, dtype, cols, wr, xr);
-                    // SAFETY: only this task writes rows r0..r1 of any token,
-                    // and t * rows + r < n_tokens * rows = y.len().
-                    unsafe { yp.slice(t * rows + r, 1)[0] = v };
+                let mut t = t0;
+                while t < t1 {
+                    let four = if t + 4 <= t1 {
+                        dot4(isa, dtype, cols, wr, &xq_ref[t * xrb..(t + 4) * xrb], xrb)
+                    } else {
+                        None
+                    };
+                    let n = if let Some(v) = four {
+                        for (k, v) in v.into_iter().enumerate() {
+                            // SAFETY: only this task writes rows r0..r1 of any
+                            // token, and (t+k) * rows + r < n_tokens * rows.
+                            unsafe { yp.slice((t + k) * rows + r, 1)[0] = v };
+                        }
+                        4
+                    } else {
+                        let v = dot(isa, dtype, cols, wr, &xq_ref[t * xrb..(t + 1) * xrb]);
+                        // SAFETY: as above, for token t.
+                        unsafe { yp.slice(t * rows + r, 1)[0] = v };
+                        1
+                    };
+                    t += n;
                 }
             }
         }
@@ -218,6 +233,28 @@ fn dot(isa: Isa, dtype: DType, cols: usize, w: &[u8], x: &[u8]) -> f32 {
             unsafe { crate::avx2::vec_dot(dtype, cols, w, x) }
         }
         _ => quant::vec_dot_portable(dtype, cols, w, x),
+    }
+}
+
+/// One weight row × four activation rows `stride` bytes apart, where `isa`
+/// has a multi-token kernel for `dtype` (bit-identical to four [`dot`]s).
+#[inline]
+fn dot4(
+    isa: Isa,
+    dtype: DType,
+    cols: usize,
+    w: &[u8],
+    x: &[u8],
+    stride: usize,
+) -> Option<[f32; 4]> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            // SAFETY: AVX2 is available (see `dot`); `x` holds four
+            // activation rows of `stride` bytes each.
+            unsafe { crate::avx2::vec_dot4(dtype, cols, w, x, stride) }
+        }
+        _ => None,
     }
 }
 
