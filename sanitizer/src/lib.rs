@@ -33,9 +33,6 @@ pub mod options;
 mod pool;
 pub mod report;
 mod sanitizer;
-#[cfg(loom)]
-pub mod shadow;
-#[cfg(not(loom))]
 pub mod shadow;
 #[doc(hidden)]
 pub mod sync;

@@ -27,9 +27,12 @@
 //! The complete words are the read fast path: a read of all layers checks
 //! one word per 64 slots instead of one per slot.
 //!
-//! Readers are optimistic (a seqlock without a writer count): they load the
-//! state word, check owner and bits, and re-load the word; if it moved, they
-//! check again. A write racing with the free of the same page is itself an
+//! Readers are optimistic, seqlock style: they load the state word, check
+//! owner and bits, fence, and re-load the word; if it moved, they check again.
+//! `alloc` first moves the word to `Allocating` and fences before it resets
+//! owner and bits, so a reader can never pair the old generation with the new
+//! page's contents (model-checked in `tests/loom.rs`, which found the missing
+//! fence). A write racing with the free of the same page is itself an
 //! engine bug: the write reports `write-after-free` or `generation-mismatch`
 //! when it sees the new state, though its bits may already have landed.
 
@@ -333,6 +336,11 @@ impl PageView<'_> {
             }
         }
         let generation = cur.generation().next();
+        // Seqlock writer side: a reader that sees any store below (the owner,
+        // the cleared bits) and then fences must see `Allocating` (or later)
+        // when it re-loads the word, so it retries instead of pairing the old
+        // generation with the new page contents.
+        fence(Ordering::Release);
         self.rec
             .owner_request
             .store(owner.request.0, Ordering::Relaxed);
