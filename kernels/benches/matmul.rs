@@ -64,5 +64,38 @@ fn bench_dispatch(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_matmul, bench_dispatch);
+/// The 576×1536 matvec while another thread keeps one core busy: the pool
+/// must degrade (its workers park) rather than collapse.
+fn bench_shared_core(c: &mut Criterion) {
+    let (rows, cols) = (576, 1536);
+    let data = weights(DType::Q4_1, rows, cols);
+    let w = WeightMatrix::new(DType::Q4_1, rows, cols, &data).unwrap();
+    let x = vec![0.25f32; cols];
+    let mut y = vec![0.0f32; rows];
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let pool = threads::global();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut v = 1u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                v = std::hint::black_box(v.wrapping_mul(3).wrapping_add(1));
+            }
+        });
+        let mut g = c.benchmark_group("shared_core");
+        g.throughput(Throughput::Elements((2 * rows * cols) as u64));
+        g.bench_function(
+            format!(
+                "q4_1_576x1536_matvec_beside_a_busy_thread/{}t",
+                pool.threads()
+            ),
+            |b| {
+                b.iter(|| matmul_with(Exec::global(), &w, &x, 1, &mut y));
+            },
+        );
+        g.finish();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+}
+
+criterion_group!(benches, bench_matmul, bench_dispatch, bench_shared_core);
 criterion_main!(benches);

@@ -176,12 +176,15 @@ pub fn matmul_with(exec: Exec, w: &WeightMatrix, x: &[f32], n_tokens: usize, y: 
         }
     }
 
-    // Tasks over row chunks: enough of them to balance a shared core, each
-    // big enough to amortize its dispatch.
-    let work_per_row = n_tokens * cols;
-    let min_rows = (16_384 / work_per_row.max(1)).clamp(4, 256);
-    let target_tasks = pool.threads() * 8;
-    let rows_per_task = rows.div_ceil(target_tasks).max(min_rows).min(rows);
+    // Tasks over row chunks of ~64K multiply-adds (a few µs): small enough
+    // that a worker descheduled while holding one (a shared core) delays the
+    // caller little, and at least four per thread to balance the load.
+    let rows_for_work = (1usize << 16) / (n_tokens * cols).max(1);
+    let min_rows = if n_tokens > 1 { 16 } else { 4 };
+    let rows_per_task = rows_for_work
+        .max(min_rows)
+        .min(rows.div_ceil(pool.threads() * 4))
+        .max(1);
     let n_tasks = rows.div_ceil(rows_per_task);
     let yp = SharedMut::new(y);
     let dtype = w.dtype;
