@@ -209,6 +209,61 @@ pub enum EngineError {
         /// The digest of the file (lowercase hex).
         actual: String,
     },
+
+    /// The model file is of an architecture or variant this engine does not run.
+    #[error("{path}: unsupported model: {what}")]
+    ModelUnsupported {
+        /// The model file.
+        path: PathBuf,
+        /// What is unsupported, and what is.
+        what: String,
+    },
+
+    /// The model's hyper-parameters are inconsistent.
+    #[error("{path}: invalid model: {what}")]
+    ModelInvalid {
+        /// The model file (`<synthetic>` for a synthetic model).
+        path: PathBuf,
+        /// The values that do not fit together.
+        what: String,
+    },
+
+    /// A KV pool of this size cannot be allocated.
+    #[error("a KV pool of {pages} pages of {page_bytes} bytes cannot be allocated")]
+    PoolTooLarge {
+        /// Pages asked for.
+        pages: usize,
+        /// Bytes per page.
+        page_bytes: usize,
+    },
+
+    /// A page was returned to the pool that is not out of it at that generation.
+    #[error("page {page}@gen {generation} cannot be freed: {}", match current {
+        Some(g) if *g == *generation => "it is already free".to_string(),
+        Some(g) => format!("its current generation is {g}"),
+        None => "it is outside the pool".to_string(),
+    })]
+    PoolBadFree {
+        /// The page.
+        page: u32,
+        /// The generation the caller holds.
+        generation: u32,
+        /// The page's current generation (`None`: no such page).
+        current: Option<u32>,
+    },
+
+    /// A forward step was handed a chunk it cannot run.
+    #[error("forward step: chunk {chunk}: {what}")]
+    InvalidBatch {
+        /// Index of the chunk in the step.
+        chunk: usize,
+        /// What is wrong, with the value and the limit.
+        what: String,
+    },
+
+    /// A checked attention kernel refused to read a page.
+    #[error("attention refused: {0}")]
+    Attention(#[from] kvsan_kernels::error::KernelError),
 }
 
 impl EngineError {

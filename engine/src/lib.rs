@@ -5,7 +5,10 @@
 pub mod chat;
 pub mod error;
 pub mod fetch;
+pub mod generate;
 pub mod gguf;
+pub mod kv_pool;
+pub mod model;
 pub mod sampler;
 pub mod tokenizer;
 

@@ -1,0 +1,137 @@
+//! The paged KV pool: page storage, per-page generations, the free list.
+//!
+//! ```text
+//!  data: n_pages × page_elems f16, never zeroed on reuse
+//!  page p: [layer 0: K[slot][kv_head][dim] V[slot][kv_head][dim]] [layer 1: …] …
+//!  generations[p]: +1 at every allocation of p; a PageRef carries the value
+//!                  it had when the page was handed out
+//! ```
+//!
+//! Only this type touches the free list. Pages go back to the free list
+//! without being cleared — as in production engines — so a read of a slot
+//! its request never wrote sees whatever an earlier request left there.
+
+use std::collections::VecDeque;
+
+use half::f16;
+use kvsan_kernels::attention::KvGeometry;
+use kvsan_sanitizer::{Generation, PageId, PageRef};
+
+use crate::EngineError;
+
+/// A pool of KV pages for one model geometry.
+#[derive(Debug)]
+pub struct KvPool {
+    geometry: KvGeometry,
+    data: Vec<f16>,
+    generations: Vec<Generation>,
+    free: VecDeque<PageId>,
+    is_free: Vec<bool>,
+}
+
+impl KvPool {
+    /// A pool of `n_pages` pages of `geometry`.
+    ///
+    /// # Errors
+    /// [`EngineError::PoolTooLarge`] when the pool's size overflows or cannot
+    /// be allocated.
+    pub fn new(geometry: KvGeometry, n_pages: usize) -> Result<KvPool, EngineError> {
+        let elems = geometry
+            .page_elems()
+            .checked_mul(n_pages)
+            .filter(|_| n_pages <= u32::MAX as usize)
+            .ok_or(EngineError::PoolTooLarge {
+                pages: n_pages,
+                page_bytes: geometry.page_elems() * 2,
+            })?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(elems)
+            .map_err(|_| EngineError::PoolTooLarge {
+                pages: n_pages,
+                page_bytes: geometry.page_elems() * 2,
+            })?;
+        // Zeroed once at creation (the allocator hands out zero pages for
+        // free); never again on reuse.
+        data.resize(elems, f16::ZERO);
+        Ok(KvPool {
+            geometry,
+            data,
+            generations: vec![Generation(0); n_pages],
+            free: (0..n_pages as u32).map(PageId).collect(),
+            is_free: vec![true; n_pages],
+        })
+    }
+
+    /// The page geometry.
+    #[must_use]
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    /// Pages in the pool.
+    #[must_use]
+    pub fn n_pages(&self) -> usize {
+        self.generations.len()
+    }
+
+    /// Pages on the free list.
+    #[must_use]
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Token slots per page.
+    #[must_use]
+    pub fn page_slots(&self) -> usize {
+        self.geometry.page_slots
+    }
+
+    /// Takes a page from the free list, advancing its generation.
+    pub fn alloc(&mut self) -> Option<PageRef> {
+        let page = self.free.pop_front()?;
+        self.is_free[page.0 as usize] = false;
+        let g = &mut self.generations[page.0 as usize];
+        *g = g.next();
+        Some(PageRef {
+            page,
+            generation: *g,
+        })
+    }
+
+    /// Returns a page to the free list, contents untouched.
+    ///
+    /// # Errors
+    /// [`EngineError::PoolBadFree`] when `page` is out of range, its generation
+    /// is not current, or it is already free.
+    pub fn free(&mut self, page: PageRef) -> Result<(), EngineError> {
+        let idx = page.page.0 as usize;
+        let current = self.generations.get(idx).copied();
+        if current != Some(page.generation) || self.is_free[idx] {
+            return Err(EngineError::PoolBadFree {
+                page: page.page.0,
+                generation: page.generation.0,
+                current: current.map(|g| g.0),
+            });
+        }
+        self.is_free[idx] = true;
+        self.free.push_back(page.page);
+        Ok(())
+    }
+
+    /// The per-page generation array (what checked kernels compare against).
+    #[must_use]
+    pub fn generations(&self) -> &[Generation] {
+        &self.generations
+    }
+
+    /// The page storage.
+    #[must_use]
+    pub fn data(&self) -> &[f16] {
+        &self.data
+    }
+
+    /// The page storage, for writes.
+    pub fn data_mut(&mut self) -> &mut [f16] {
+        &mut self.data
+    }
+}
