@@ -7,13 +7,14 @@
 //! - `baseline/atomic_load`: one relaxed atomic load (the cheapest check there is);
 //! - `read/128_pages_written`: `read` of a fully written 128-page block table
 //!   (throughput in pages, so criterion prints time per page);
-//! - `write/1_slot_all_layers`: `write` of one slot for all 30 layers;
+//! - `write/1_slot_all_layers`: `write` of one fresh slot for all 30 layers;
 //! - `alloc_free/page`: `alloc` then `free` of one page.
 //!
 //! Geometry: SmolLM2-135M (30 layers, 16-slot pages, 3 KV heads × 64 dims, f16).
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvsan_sanitizer::{NodeRole, Owner, PageId, PageRef, PoolGeometry, Sanitizer};
@@ -23,7 +24,9 @@ const SLOTS: u32 = 16;
 const TABLE: u32 = 128;
 
 fn sanitizer() -> (Sanitizer, kvsan_sanitizer::PoolId) {
-    let san = Sanitizer::with_writer(kvsan_sanitizer::Options::default(), std::io::sink());
+    // A big quarantine would keep re-allocated pages out of Free; 0 frees at once.
+    let options = kvsan_sanitizer::Options::parse("quarantine_pages=0").expect("valid options");
+    let san = Sanitizer::with_writer(options, std::io::sink());
     let pool = san
         .pool_register(PoolGeometry {
             pages: 1024,
@@ -55,7 +58,11 @@ fn read(c: &mut Criterion) {
                 page: PageId(p),
                 generation,
             };
-            assert!(san.write(pool, owner, page, 0..SLOTS, 0..LAYERS, 0).expect("in range").is_continue());
+            assert!(
+                san.write(pool, owner, page, 0..SLOTS, 0..LAYERS, 0)
+                    .expect("in range")
+                    .is_continue()
+            );
             page
         })
         .collect();
@@ -64,27 +71,70 @@ fn read(c: &mut Criterion) {
     group.throughput(Throughput::Elements(u64::from(TABLE)));
     group.bench_function("128_pages_written", |b| {
         b.iter(|| {
-            san.read(pool, owner, black_box(&table), black_box(tokens), 0..LAYERS, 1)
-                .expect("in range")
+            san.read(
+                pool,
+                owner,
+                black_box(&table),
+                black_box(tokens),
+                0..LAYERS,
+                1,
+            )
+            .expect("in range")
         })
     });
     group.finish();
 }
 
+/// Fresh writes: every timed write lands in a slot not yet written in its
+/// page's generation (pages are re-allocated, untimed, between batches).
 fn write(c: &mut Criterion) {
     let (san, pool) = sanitizer();
     let owner = Owner::new(1, 1);
-    let (_, generation) = san.alloc(pool, PageId(0), owner, 0).expect("in range");
-    let page = PageRef {
-        page: PageId(0),
-        generation,
+    let pages = 1024u32;
+    let mut table: Vec<PageRef> = Vec::new();
+    let fresh = |table: &mut Vec<PageRef>| {
+        for page in table.drain(..) {
+            assert!(
+                san.free(pool, owner, page, 0)
+                    .expect("in range")
+                    .is_continue()
+            );
+        }
+        for p in 0..pages {
+            let (v, generation) = san.alloc(pool, PageId(p), owner, 0).expect("in range");
+            assert!(v.is_continue());
+            table.push(PageRef {
+                page: PageId(p),
+                generation,
+            });
+        }
     };
-    let mut slot = 0;
     c.bench_function("write/1_slot_all_layers", |b| {
-        b.iter(|| {
-            slot = (slot + 1) % SLOTS;
-            san.write(pool, owner, black_box(page), slot..slot + 1, 0..LAYERS, 1)
-                .expect("in range")
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut done = 0u64;
+            while done < iters {
+                fresh(&mut table);
+                let n = (iters - done).min(u64::from(pages * SLOTS));
+                let start = Instant::now();
+                for i in 0..n as u32 {
+                    let slot = i % SLOTS;
+                    let v = san
+                        .write(
+                            pool,
+                            owner,
+                            table[(i / SLOTS) as usize],
+                            slot..slot + 1,
+                            0..LAYERS,
+                            1,
+                        )
+                        .expect("in range");
+                    let _ = black_box(v);
+                }
+                total += start.elapsed();
+                done += n;
+            }
+            total
         })
     });
 }
@@ -94,9 +144,19 @@ fn alloc_free(c: &mut Criterion) {
     let owner = Owner::new(1, 1);
     c.bench_function("alloc_free/page", |b| {
         b.iter(|| {
-            let (v, generation) = san.alloc(pool, black_box(PageId(5)), owner, 0).expect("in range");
+            let (v, generation) = san
+                .alloc(pool, black_box(PageId(5)), owner, 0)
+                .expect("in range");
             let f = san
-                .free(pool, owner, PageRef { page: PageId(5), generation }, 0)
+                .free(
+                    pool,
+                    owner,
+                    PageRef {
+                        page: PageId(5),
+                        generation,
+                    },
+                    0,
+                )
                 .expect("in range");
             (v, f)
         })

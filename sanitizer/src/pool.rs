@@ -18,7 +18,8 @@ pub(crate) struct ShadowPool {
     pub(crate) geometry: PoolGeometry,
     pub(crate) layout: BitLayout,
     records: Box<[PageShadow]>,
-    bits: Box<[AtomicU64]>,
+    complete: Box<[AtomicU64]>,
+    slots: Box<[AtomicU64]>,
     history: Box<[PageHistory]>,
     /// Read-only sharers per page: (sharer, references held).
     sharers: Mutex<HashMap<u32, Vec<(Owner, u32)>>>,
@@ -39,7 +40,10 @@ impl ShadowPool {
             id,
             layout,
             records: (0..pages).map(|_| PageShadow::new()).collect(),
-            bits: (0..pages * layout.stride)
+            complete: (0..pages * layout.complete_words)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            slots: (0..pages * (layout.stride - layout.complete_words))
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             history: (0..pages)
@@ -59,13 +63,16 @@ impl ShadowPool {
             + PageHistory::bytes_per_page(history_depth)
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn page(&self, page: PageId) -> Result<PageView<'_>, SanitizerError> {
         let i = page.0 as usize;
         match self.records.get(i) {
             Some(rec) => Ok(PageView {
                 rec,
-                bits: &self.bits[i * self.layout.stride..(i + 1) * self.layout.stride],
+                complete: &self.complete
+                    [i * self.layout.complete_words..(i + 1) * self.layout.complete_words],
+                slots: &self.slots
+                    [i * self.layout.slot_words()..(i + 1) * self.layout.slot_words()],
                 layout: &self.layout,
             }),
             None => Err(SanitizerError::PageOutOfRange {
@@ -73,6 +80,17 @@ impl ShadowPool {
                 page: page.0,
                 pages: self.geometry.pages,
             }),
+        }
+    }
+
+    /// [`PageShadow::read_fast`] for pools whose pages have at most 64 slots
+    /// (one complete word per page); `false` if out of range.
+    #[inline(always)]
+    pub(crate) fn read_fast(&self, page: PageRef, who: RequestId, slot_mask: u64) -> bool {
+        let i = page.page.0 as usize;
+        match (self.records.get(i), self.complete.get(i)) {
+            (Some(rec), Some(complete)) => rec.read_fast(page.generation, who, complete, slot_mask),
+            _ => false,
         }
     }
 

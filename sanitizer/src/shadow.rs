@@ -16,16 +16,23 @@
 //!   S: shared read-only (sharers in the pool's sharer table)
 //!   L: first write of this generation already logged in the history
 //!
-//!  written bitmap of one page (AtomicU64 words, `stride` per page)
-//!  +-----------------+-----------------+-----------------+-----+
-//!  | complete words  | slot 0 layers   | slot 1 layers   | ... |
-//!  | bit s: slot s   | bit l: layer l  | (words_per_slot |     |
-//!  | has all layers  | written         |  words each)    |     |
-//!  +-----------------+-----------------+-----------------+-----+
+//!  written bitmap, two arrays of AtomicU64 per pool:
+//!
+//!  complete words (complete_words per page, pages back to back)
+//!  +------------------+------------------+-----
+//!  | page 0           | page 1           | ...     bit s: slot s has
+//!  +------------------+------------------+-----    every layer written
+//!
+//!  slot words (page_slots × words_per_slot per page)
+//!  +-----------------+-----------------+-----+-----------------+-----
+//!  | p0 slot 0       | p0 slot 1       | ... | p1 slot 0       | ...
+//!  | bit l: layer l  |                 |     |                 |
+//!  +-----------------+-----------------+-----+-----------------+-----
 //! ```
 //!
 //! The complete words are the read fast path: a read of all layers checks
-//! one word per 64 slots instead of one per slot.
+//! one word per 64 slots instead of one per slot, and a block table's
+//! complete words sit close together in memory.
 //!
 //! Readers are optimistic, seqlock style: they load the state word, check
 //! owner and bits, fence, and re-load the word; if it moved, they check again.
@@ -59,6 +66,7 @@ pub enum PageState {
 }
 
 impl PageState {
+    #[inline]
     fn from_bits(bits: u64) -> PageState {
         match bits {
             0 => PageState::Free,
@@ -83,6 +91,7 @@ impl PageState {
 
     /// Free, quarantined or being allocated: nobody may touch it.
     #[must_use]
+    #[inline]
     pub const fn is_free(self) -> bool {
         matches!(
             self,
@@ -117,18 +126,21 @@ impl StateWord {
 
     /// The page's current generation.
     #[must_use]
+    #[inline]
     pub const fn generation(self) -> Generation {
         Generation((self.0 & GEN_MASK) as u32)
     }
 
     /// The page's state.
     #[must_use]
+    #[inline]
     pub fn state(self) -> PageState {
         PageState::from_bits((self.0 & STATE_MASK) >> STATE_SHIFT)
     }
 
     /// Whether `flag` is set.
     #[must_use]
+    #[inline]
     pub const fn has(self, flag: u64) -> bool {
         self.0 & flag != 0
     }
@@ -146,13 +158,12 @@ impl StateWord {
     }
 }
 
-/// The per-page shadow record (32 bytes; bitmap and history live elsewhere).
+/// The per-page shadow record (24 bytes; bitmap and history live elsewhere).
 #[repr(C)]
 #[derive(Debug)]
 pub struct PageShadow {
     word: AtomicU64,
     owner_request: AtomicU64,
-    last_write_step: AtomicU64,
     owner_tenant: AtomicU32,
 }
 
@@ -169,13 +180,13 @@ impl PageShadow {
         PageShadow {
             word: AtomicU64::new(StateWord::new(Generation(0), PageState::Free, 0).0),
             owner_request: AtomicU64::new(0),
-            last_write_step: AtomicU64::new(0),
             owner_tenant: AtomicU32::new(0),
         }
     }
 
     /// The state word now.
     #[must_use]
+    #[inline]
     pub fn load(&self) -> StateWord {
         StateWord(self.word.load(Ordering::Acquire))
     }
@@ -189,10 +200,29 @@ impl PageShadow {
         }
     }
 
-    /// The step of the last write in this generation.
+    /// The read fast path: `true` if the page is Owned at `generation`, held
+    /// by `who` (not released) and every slot in `slot_mask` has every layer
+    /// written (`complete` is the page's complete word). `false` says only
+    /// "take the full check", which finds what is wrong, if anything.
+    #[inline(always)]
     #[must_use]
-    pub fn last_write_step(&self) -> u64 {
-        self.last_write_step.load(Ordering::Relaxed)
+    pub fn read_fast(
+        &self,
+        generation: Generation,
+        who: RequestId,
+        complete: &AtomicU64,
+        slot_mask: u64,
+    ) -> bool {
+        let word = self.word.load(Ordering::Acquire);
+        let expect = StateWord::new(generation, PageState::Owned, 0).0;
+        if word & (GEN_MASK | STATE_MASK | FLAG_OWNER_RELEASED) != expect
+            || self.owner_request.load(Ordering::Relaxed) != who.0
+            || complete.load(Ordering::Relaxed) & slot_mask != slot_mask
+        {
+            return false;
+        }
+        fence(Ordering::Acquire);
+        self.word.load(Ordering::Relaxed) == word
     }
 
     fn cas(&self, current: StateWord, new: StateWord) -> Result<(), StateWord> {
@@ -202,6 +232,7 @@ impl PageShadow {
             .map_err(StateWord)
     }
 
+    #[inline]
     fn held_by(&self, word: StateWord, who: RequestId) -> bool {
         !word.has(FLAG_OWNER_RELEASED) && self.owner_request.load(Ordering::Relaxed) == who.0
     }
@@ -220,9 +251,14 @@ pub struct BitLayout {
     pub complete_words: usize,
     /// Words per page: `complete_words + page_slots × words_per_slot`.
     pub stride: usize,
+    /// With `words_per_slot == 1`: the mask of every layer.
+    pub full_mask: u64,
 }
 
-fn range_mask(lo: u32, hi: u32) -> u64 {
+/// Bits `lo..hi` of a word.
+#[inline]
+#[must_use]
+pub fn range_mask(lo: u32, hi: u32) -> u64 {
     if hi <= lo {
         0
     } else if hi - lo == 64 {
@@ -244,14 +280,23 @@ impl BitLayout {
             words_per_slot,
             complete_words,
             stride: complete_words + page_slots as usize * words_per_slot,
+            full_mask: range_mask(0, layers.min(64)),
         }
     }
 
     /// Mask of `layers` inside word `w` of a slot.
+    #[inline]
     fn layer_mask(&self, w: usize, layers: &Range<u32>) -> u64 {
         let base = 64 * w as u32;
         let clamp = |x: u32| x.clamp(base, base + 64) - base;
         range_mask(clamp(layers.start), clamp(layers.end))
+    }
+
+    /// Slot words per page: `page_slots × words_per_slot`.
+    #[inline]
+    #[must_use]
+    pub fn slot_words(&self) -> usize {
+        self.stride - self.complete_words
     }
 
     fn all_layers(&self) -> Range<u32> {
@@ -264,8 +309,10 @@ impl BitLayout {
 pub struct PageView<'a> {
     /// The record.
     pub rec: &'a PageShadow,
-    /// This page's `stride` bitmap words.
-    pub bits: &'a [AtomicU64],
+    /// This page's `complete_words` words: bit `s` set when slot `s` has every layer.
+    pub complete: &'a [AtomicU64],
+    /// This page's `page_slots × words_per_slot` per-slot layer words.
+    pub slots: &'a [AtomicU64],
     /// The pool's layout.
     pub layout: &'a BitLayout,
 }
@@ -315,9 +362,10 @@ pub enum ReadCheck {
 }
 
 impl PageView<'_> {
+    #[inline]
     fn slot_words(&self, slot: u32) -> &[AtomicU64] {
-        let start = self.layout.complete_words + slot as usize * self.layout.words_per_slot;
-        &self.bits[start..start + self.layout.words_per_slot]
+        let start = slot as usize * self.layout.words_per_slot;
+        &self.slots[start..start + self.layout.words_per_slot]
     }
 
     /// Takes a Free or Quarantined page for `owner` at the next generation,
@@ -347,8 +395,7 @@ impl PageView<'_> {
         self.rec
             .owner_tenant
             .store(owner.tenant.0, Ordering::Relaxed);
-        self.rec.last_write_step.store(0, Ordering::Relaxed);
-        for w in self.bits {
+        for w in self.complete.iter().chain(self.slots) {
             w.store(0, Ordering::Relaxed);
         }
         let flags = if terminal { FLAG_TERMINAL_OWNER } else { 0 };
@@ -461,8 +508,32 @@ impl PageView<'_> {
         }
     }
 
+    #[inline]
     fn set_bits(&self, slots: Range<u32>, layers: &Range<u32>) {
         let l = self.layout;
+        if l.words_per_slot == 1 {
+            // Up to 64 layers: one word per slot.
+            let mask = range_mask(layers.start, layers.end);
+            for slot in slots {
+                let word = &self.slots[slot as usize];
+                let prev = word.load(Ordering::Relaxed);
+                if prev & mask == mask {
+                    continue;
+                }
+                let prev = if mask == l.full_mask {
+                    // Bits only grow within a generation and this is their
+                    // maximum: a plain store cannot lose a racing writer's bits.
+                    word.store(mask, Ordering::Relaxed);
+                    prev
+                } else {
+                    word.fetch_or(mask, Ordering::Relaxed)
+                };
+                if prev | mask == l.full_mask {
+                    self.complete[slot as usize / 64].fetch_or(1 << (slot % 64), Ordering::Relaxed);
+                }
+            }
+            return;
+        }
         for slot in slots {
             let words = self.slot_words(slot);
             let mut complete = true;
@@ -479,7 +550,7 @@ impl PageView<'_> {
                 newly |= prev & mask != mask;
             }
             if complete && newly {
-                self.bits[slot as usize / 64].fetch_or(1 << (slot % 64), Ordering::Relaxed);
+                self.complete[slot as usize / 64].fetch_or(1 << (slot % 64), Ordering::Relaxed);
             }
         }
     }
@@ -488,13 +559,13 @@ impl PageView<'_> {
     ///
     /// Returns whether this is the generation's first logged write, or the
     /// violation (no bits are set then).
+    #[inline]
     pub fn write(
         &self,
         who: RequestId,
         generation: Generation,
         slots: Range<u32>,
         layers: &Range<u32>,
-        step: u64,
     ) -> Result<bool, (ViolationKind, StateWord)> {
         let cur = self.rec.load();
         if cur.generation() != generation {
@@ -510,7 +581,6 @@ impl PageView<'_> {
             return Err((ViolationKind::TerminalRequestActivity, cur));
         }
         self.set_bits(slots, layers);
-        self.rec.last_write_step.store(step, Ordering::Relaxed);
         if cur.has(FLAG_WRITE_LOGGED) {
             return Ok(false);
         }
@@ -520,20 +590,27 @@ impl PageView<'_> {
 
     /// The first of `slots` not written for every layer in `layers`.
     #[must_use]
+    #[inline]
     pub fn first_unwritten(&self, slots: Range<u32>, layers: &Range<u32>) -> Option<u32> {
         let l = self.layout;
         if slots.is_empty() || layers.is_empty() {
             return None;
         }
-        if *layers == l.all_layers() {
-            // Fast path: one complete word covers 64 slots.
+        if layers.start == 0 && layers.end == l.layers {
+            if l.complete_words == 1 {
+                // Fast path: one word says which slots have every layer.
+                let mask = range_mask(slots.start, slots.end);
+                let have = self.complete[0].load(Ordering::Relaxed);
+                return (have & mask != mask).then(|| (!have & mask).trailing_zeros());
+            }
+            // One complete word covers 64 slots.
             let mut missing = None;
             for w in (slots.start / 64)..slots.end.div_ceil(64) {
                 let mask = range_mask(
                     slots.start.clamp(64 * w, 64 * w + 64) - 64 * w,
                     slots.end.clamp(64 * w, 64 * w + 64) - 64 * w,
                 );
-                let have = self.bits[w as usize].load(Ordering::Relaxed);
+                let have = self.complete[w as usize].load(Ordering::Relaxed);
                 if have & mask != mask {
                     missing = Some(64 * w + (!have & mask).trailing_zeros());
                     break;
@@ -563,6 +640,7 @@ impl PageView<'_> {
 
     /// The read check of one page through a `PageRef` at `generation`:
     /// `slots` of `layers`.
+    #[inline]
     pub fn check_read(
         &self,
         who: RequestId,
@@ -668,10 +746,20 @@ mod tests {
         (PageShadow::new(), bits)
     }
 
+    fn view<'a>(rec: &'a PageShadow, bits: &'a [AtomicU64], layout: &'a BitLayout) -> PageView<'a> {
+        let (complete, slots) = bits.split_at(layout.complete_words);
+        PageView {
+            rec,
+            complete,
+            slots,
+            layout,
+        }
+    }
+
     #[test]
     fn page_record_is_at_most_64_bytes() {
         assert!(std::mem::size_of::<PageShadow>() <= 64);
-        assert_eq!(std::mem::size_of::<PageShadow>(), 32);
+        assert_eq!(std::mem::size_of::<PageShadow>(), 24);
     }
 
     #[test]
@@ -686,19 +774,15 @@ mod tests {
     fn complete_word_tracks_slots_with_every_layer_written() {
         let layout = BitLayout::new(16, 30);
         let (rec, bits) = page(&layout);
-        let view = PageView {
-            rec: &rec,
-            bits: &bits,
-            layout: &layout,
-        };
+        let view = view(&rec, &bits, &layout);
         let AllocOutcome::Allocated { generation } = view.alloc(Owner::new(1, 1), false) else {
             panic!("fresh page must allocate");
         };
-        view.write(RequestId(1), generation, 0..3, &(0..29), 1)
+        view.write(RequestId(1), generation, 0..3, &(0..29))
             .unwrap();
         assert_eq!(view.first_unwritten(0..3, &(0..30)), Some(0));
         assert_eq!(view.first_unwritten(0..3, &(0..29)), None);
-        view.write(RequestId(1), generation, 0..3, &(29..30), 2)
+        view.write(RequestId(1), generation, 0..3, &(29..30))
             .unwrap();
         assert_eq!(view.first_unwritten(0..3, &(0..30)), None);
         assert_eq!(view.first_unwritten(0..4, &(0..30)), Some(3));
@@ -711,20 +795,16 @@ mod tests {
         assert_eq!(layout.words_per_slot, 3);
         assert_eq!(layout.complete_words, 2);
         let (rec, bits) = page(&layout);
-        let view = PageView {
-            rec: &rec,
-            bits: &bits,
-            layout: &layout,
-        };
+        let view = view(&rec, &bits, &layout);
         let AllocOutcome::Allocated { generation } = view.alloc(Owner::new(1, 1), false) else {
             panic!("fresh page must allocate");
         };
-        view.write(RequestId(1), generation, 60..80, &(0..130), 1)
+        view.write(RequestId(1), generation, 60..80, &(0..130))
             .unwrap();
         assert_eq!(view.first_unwritten(60..80, &(0..130)), None);
         assert_eq!(view.first_unwritten(59..80, &(0..130)), Some(59));
         assert_eq!(view.first_unwritten(60..81, &(0..130)), Some(80));
-        view.write(RequestId(1), generation, 80..81, &(0..129), 1)
+        view.write(RequestId(1), generation, 80..81, &(0..129))
             .unwrap();
         assert_eq!(view.first_unwritten(60..81, &(0..130)), Some(80));
         assert_eq!(view.first_unwritten(60..81, &(64..129)), None);

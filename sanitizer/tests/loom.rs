@@ -39,9 +39,11 @@ impl Page {
     }
 
     fn view(&self) -> PageView<'_> {
+        let (complete, slots) = self.bits.split_at(self.layout.complete_words);
         PageView {
             rec: &self.rec,
-            bits: &self.bits,
+            complete,
+            slots,
             layout: &self.layout,
         }
     }
@@ -52,7 +54,7 @@ impl Page {
             panic!("setup alloc failed");
         };
         self.view()
-            .write(owner.request, generation, 0..2, &ALL, 1)
+            .write(owner.request, generation, 0..2, &ALL)
             .expect("setup write");
         generation
     }
@@ -238,7 +240,7 @@ fn first_write_flag_and_commit_do_not_lose_each_other() {
             .unwrap();
         let writer = {
             let page = page.clone();
-            thread::spawn(move || page.view().write(RequestId(1), generation, 1..2, &ALL, 2))
+            thread::spawn(move || page.view().write(RequestId(1), generation, 1..2, &ALL))
         };
         assert!(page.view().commit(generation));
         assert_eq!(writer.join().unwrap(), Ok(true));
