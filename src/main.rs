@@ -1,12 +1,40 @@
 //! `kvsan`: the command-line interface.
 
-use clap::Parser;
+mod commands;
+mod output;
 
-/// kvsan — a KV-cache memory sanitizer for LLM inference engines.
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// kvsan — a KV-cache memory sanitizer for LLM inference engines, and the
+/// engine it wraps.
 #[derive(Parser, Debug)]
 #[command(name = "kvsan", version, about, long_about = None)]
-struct Cli {}
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() {
-    let _cli = Cli::parse();
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate a completion for a prompt.
+    Generate(commands::generate::Args),
+    /// Print the token ids of a text.
+    Tokenize(commands::tokenize::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let (json, result) = match cli.command {
+        Command::Generate(args) => (args.json, commands::generate::run(&args)),
+        Command::Tokenize(args) => (args.json, commands::tokenize::run(&args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            output::print_error(&err, json);
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,138 @@
+//! Whole-model speed on the default model (SmolLM2-135M Q4_1): prompt
+//! processing of 512 tokens, decode at batch 1 and at batch 16.
+//!
+//! `cargo bench --bench model` prints tokens/s per run and the median of
+//! `KVSAN_BENCH_RUNS` runs (default 5). Compare with llama.cpp's figures for
+//! the same file on the same machine, measured in the same session.
+
+use std::time::Instant;
+
+use kvsan_engine::fetch::ensure_default_model;
+use kvsan_engine::kv_pool::KvPool;
+use kvsan_engine::model::{AttentionCheck, Logits, Model, SeqChunk};
+use kvsan_engine::sampler::argmax;
+use kvsan_sanitizer::PageRef;
+
+const PAGE_SLOTS: usize = 16;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Deterministic pseudo-random token ids (a fixed LCG), away from special tokens.
+fn tokens(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            100 + ((x >> 33) % 40_000) as u32
+        })
+        .collect()
+}
+
+fn pages(pool: &mut KvPool, n_tokens: usize) -> Vec<PageRef> {
+    (0..n_tokens.div_ceil(PAGE_SLOTS))
+        .map(|_| pool.alloc().expect("pool sized for the run"))
+        .collect()
+}
+
+/// Tokens/s of one prefill of `n` tokens in one step.
+fn prompt_run(model: &Model, n: usize, seed: u64) -> f64 {
+    let mut pool =
+        KvPool::new(model.kv_geometry(PAGE_SLOTS), n.div_ceil(PAGE_SLOTS)).expect("pool");
+    let table = pages(&mut pool, n);
+    let prompt = tokens(n, seed);
+    let step = [SeqChunk {
+        tokens: &prompt,
+        start_pos: 0,
+        block_table: &table,
+        logits: Logits::Last,
+    }];
+    let t = Instant::now();
+    model
+        .forward(&mut pool, &step, AttentionCheck::Unchecked)
+        .expect("forward");
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// Generated tokens/s of `batch` sequences decoding `steps` tokens each after a 16-token prompt.
+fn decode_run(model: &Model, batch: usize, steps: usize, seed: u64) -> f64 {
+    let prompt_len = 16;
+    let per_seq = (prompt_len + steps).div_ceil(PAGE_SLOTS);
+    let mut pool = KvPool::new(model.kv_geometry(PAGE_SLOTS), per_seq * batch).expect("pool");
+    let tables: Vec<Vec<PageRef>> = (0..batch)
+        .map(|_| pages(&mut pool, prompt_len + steps))
+        .collect();
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|b| tokens(prompt_len, seed + b as u64))
+        .collect();
+    let step: Vec<SeqChunk> = (0..batch)
+        .map(|b| SeqChunk {
+            tokens: &prompts[b],
+            start_pos: 0,
+            block_table: &tables[b],
+            logits: Logits::Last,
+        })
+        .collect();
+    let mut logits = model
+        .forward(&mut pool, &step, AttentionCheck::Unchecked)
+        .expect("prefill");
+    let vocab = model.config().vocab_size;
+    let t = Instant::now();
+    for s in 0..steps {
+        let next: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
+        let step: Vec<SeqChunk> = (0..batch)
+            .map(|b| SeqChunk {
+                tokens: std::slice::from_ref(&next[b]),
+                start_pos: prompt_len + s,
+                block_table: &tables[b],
+                logits: Logits::Last,
+            })
+            .collect();
+        logits = model
+            .forward(&mut pool, &step, AttentionCheck::Unchecked)
+            .expect("decode");
+    }
+    (batch * steps) as f64 / t.elapsed().as_secs_f64()
+}
+
+fn report(name: &str, runs: Vec<f64>) {
+    let list: Vec<String> = runs.iter().map(|r| format!("{r:.1}")).collect();
+    println!(
+        "{name:<36} median {:>8.1} tokens/s   runs: {}",
+        median(runs.clone()),
+        list.join(" ")
+    );
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument (as with `cargo test`) is ignored.
+    let path = ensure_default_model(&mut |line| eprintln!("{line}")).expect("default model");
+    let model = Model::load(path).expect("default model loads");
+    let runs: usize = std::env::var("KVSAN_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    prompt_run(&model, 64, 0); // warm-up: page in the weights, start the pool
+    report(
+        "prompt processing, 512 tokens",
+        (0..runs)
+            .map(|r| prompt_run(&model, 512, r as u64))
+            .collect(),
+    );
+    report(
+        "decode, batch 1, 128 tokens",
+        (0..runs)
+            .map(|r| decode_run(&model, 1, 128, r as u64))
+            .collect(),
+    );
+    report(
+        "decode, batch 16, 64 tokens each",
+        (0..runs)
+            .map(|r| decode_run(&model, 16, 64, r as u64))
+            .collect(),
+    );
+}

@@ -1,0 +1,5 @@
+//! One module per subcommand.
+
+pub mod generate;
+pub mod model_arg;
+pub mod tokenize;
