@@ -261,6 +261,13 @@ pub enum EngineError {
         what: String,
     },
 
+    /// A KV transfer's bytes do not fit what its manifest describes.
+    #[error("KV transfer does not fit its manifest: {what}")]
+    TransferShape {
+        /// What is wrong, with the sizes.
+        what: String,
+    },
+
     /// A checked attention kernel refused to read a page.
     #[error("attention refused: {0}")]
     Attention(#[from] kvsan_kernels::error::KernelError),

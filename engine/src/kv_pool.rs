@@ -12,6 +12,7 @@
 //! its request never wrote sees whatever an earlier request left there.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 
 use half::f16;
 use kvsan_kernels::attention::KvGeometry;
@@ -133,5 +134,77 @@ impl KvPool {
     /// The page storage, for writes.
     pub fn data_mut(&mut self) -> &mut [f16] {
         &mut self.data
+    }
+
+    /// Appends the K and V of `slots` × `layers` of `page` to `out` as
+    /// little-endian f16 (per layer: K of the slots, then V; the wire order of
+    /// a KV transfer).
+    ///
+    /// # Panics
+    /// If `page`, `slots` or `layers` are outside the pool's geometry.
+    pub fn pack_slots(
+        &self,
+        page: PageId,
+        slots: Range<usize>,
+        layers: Range<usize>,
+        out: &mut Vec<u8>,
+    ) {
+        let g = &self.geometry;
+        let width = slots.len() * g.slot_width();
+        for layer in layers {
+            for kv in 0..2 {
+                let at = g.offset(page, layer, kv, slots.start);
+                for v in &self.data[at..at + width] {
+                    out.extend_from_slice(&v.to_bits().to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Writes K and V of `slots` × `layers` of `page` from `bytes` (the
+    /// layout of [`KvPool::pack_slots`]); returns the bytes consumed.
+    ///
+    /// # Errors
+    /// [`EngineError::TransferShape`] when `bytes` is shorter than the slots
+    /// need or the range is outside the geometry; nothing is written then.
+    pub fn unpack_slots(
+        &mut self,
+        page: PageId,
+        slots: Range<usize>,
+        layers: Range<usize>,
+        bytes: &[u8],
+    ) -> Result<usize, EngineError> {
+        let g = self.geometry;
+        let width = slots.len() * g.slot_width();
+        let need = layers.len() * 2 * width * 2;
+        if page.0 as usize >= self.n_pages() || slots.end > g.page_slots || layers.end > g.n_layers
+        {
+            return Err(EngineError::TransferShape {
+                what: format!(
+                    "{page}, slots {slots:?}, layers {layers:?} outside a pool of {} pages × {} slots × {} layers",
+                    self.n_pages(),
+                    g.page_slots,
+                    g.n_layers
+                ),
+            });
+        }
+        if bytes.len() < need {
+            return Err(EngineError::TransferShape {
+                what: format!(
+                    "{} bytes for {page} slots {slots:?}, {need} needed",
+                    bytes.len()
+                ),
+            });
+        }
+        let mut src = bytes.chunks_exact(2);
+        for layer in layers {
+            for kv in 0..2 {
+                let at = g.offset(page, layer, kv, slots.start);
+                for (dst, b) in self.data[at..at + width].iter_mut().zip(&mut src) {
+                    *dst = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                }
+            }
+        }
+        Ok(need)
     }
 }

@@ -7,9 +7,12 @@ pub mod error;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;
+pub mod hooks;
 pub mod kv_pool;
 pub mod model;
+pub mod request;
 pub mod sampler;
 pub mod tokenizer;
+pub mod transport;
 
 pub use error::EngineError;

@@ -1,0 +1,155 @@
+//! What a client submits and what it gets back: a request, and a stream of
+//! events ending in `Finished` or `Error`.
+
+use kvsan_sanitizer::{Owner, RequestId, TenantId};
+use serde::{Deserialize, Serialize};
+
+use crate::sampler::SamplingParams;
+
+/// A generation request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Who pays (the API key's tenant).
+    pub tenant: TenantId,
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// How each token is chosen.
+    pub sampling: SamplingParams,
+    /// Tokens that end generation (not emitted).
+    pub stop_tokens: Vec<u32>,
+}
+
+/// Why a request finished normally.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FinishReason {
+    /// A stop token was generated.
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+}
+
+/// The kind of a request error: a stable name for clients and logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ErrorKind {
+    /// Refused at admission (too long for the context or a pool); nothing was
+    /// allocated, computed or sent for it.
+    Rejected,
+    /// Cancelled by the client.
+    Cancelled,
+    /// Aborted by the sanitizer: the message names the violation.
+    Violation,
+    /// The peer node failed or the link dropped while the request needed it.
+    Transport,
+    /// The request is malformed (empty prompt, a token outside the vocabulary, bad sampling).
+    InvalidRequest,
+    /// The engine is shutting down or failed internally.
+    Internal,
+}
+
+impl ErrorKind {
+    /// The stable kebab-case name.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Rejected => "rejected",
+            ErrorKind::Cancelled => "cancelled",
+            ErrorKind::Violation => "violation",
+            ErrorKind::Transport => "transport",
+            ErrorKind::InvalidRequest => "invalid-request",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
+/// Why a request was rejected at admission.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejection {
+    /// What was exceeded (`"prompt exceeds the prefill pool"`, …).
+    pub reason: String,
+    /// The prompt's length in tokens.
+    pub prompt_tokens: usize,
+    /// The limit it broke, in tokens.
+    pub limit: usize,
+    /// The node that rejected it (`unified`, `prefill`, `decode`).
+    pub node: String,
+}
+
+/// A request's error, as the client sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestError {
+    /// The stable kind.
+    pub kind: ErrorKind,
+    /// A message for a person: names the input and the limit, or the
+    /// violation id and kind. Never contains prompt text or KV contents.
+    pub message: String,
+    /// For [`ErrorKind::Rejected`]: the details.
+    pub rejection: Option<Rejection>,
+    /// For [`ErrorKind::Violation`]: the violation id (`KV-000001`) and kind.
+    pub violation: Option<(String, String)>,
+}
+
+impl RequestError {
+    /// An error of `kind` with `message`.
+    #[must_use]
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> RequestError {
+        RequestError {
+            kind,
+            message: message.into(),
+            rejection: None,
+            violation: None,
+        }
+    }
+
+    /// A rejection at admission.
+    #[must_use]
+    pub fn rejected(rejection: Rejection) -> RequestError {
+        RequestError {
+            kind: ErrorKind::Rejected,
+            message: format!(
+                "rejected by the {} node: {} (prompt of {} tokens, limit {} tokens)",
+                rejection.node, rejection.reason, rejection.prompt_tokens, rejection.limit
+            ),
+            rejection: Some(rejection),
+            violation: None,
+        }
+    }
+}
+
+impl std::fmt::Display for RequestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.kind.name(), self.message)
+    }
+}
+
+impl std::error::Error for RequestError {}
+
+/// One event of a request's stream.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A generated token.
+    Token(u32),
+    /// The request finished; no more events follow.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Prompt length.
+        prompt_tokens: usize,
+        /// Tokens generated.
+        generated: usize,
+    },
+    /// The request failed; no more events follow.
+    Error(RequestError),
+}
+
+/// The owner tag of request `id` of `tenant`.
+#[must_use]
+pub fn owner(id: RequestId, tenant: TenantId) -> Owner {
+    Owner {
+        request: id,
+        tenant,
+    }
+}

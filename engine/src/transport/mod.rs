@@ -1,0 +1,179 @@
+//! How a prefill node and a decode node talk: the messages, and the links
+//! that carry them (in-process channels, TCP between processes, RDMA).
+//!
+//! ```text
+//!  decode node                                   prefill node
+//!  -----------                                   ------------
+//!  admit, reserve pages for the prompt
+//!  ToPrefill::Prefill {owner, prompt, dst_pages} ─────────▶ admit, compute the prompt's KV
+//!                                      ◀──────── ToDecode::Kv {manifest, bytes}   (RDMA WRITE semantics:
+//!  transfer_recv: bytes land in dst pages                    the bytes go into the pages decode reserved)
+//!                                      ◀──────── ToDecode::PrefillDone {first token}
+//!  transfer_commit, decode
+//! ```
+//!
+//! A link that breaks delivers [`Inbound::Disconnected`] to its receiver;
+//! every request that needed the peer is then aborted with a transport error.
+
+pub mod in_process;
+
+use kvsan_sanitizer::{Manifest, Owner, PageRef, PoolId, RequestId};
+
+use crate::request::RequestError;
+use crate::sampler::SamplingParams;
+
+/// A prefill order: compute `prompt`'s KV and push it into `dst_pages`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillOrder {
+    /// The request (same id on both nodes).
+    pub owner: Owner,
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// How the first token is chosen.
+    pub sampling: SamplingParams,
+    /// The decode node's pool.
+    pub dst_pool: PoolId,
+    /// The pages decode reserved, from token 0 (cover the whole prompt).
+    pub dst_pages: Vec<PageRef>,
+}
+
+/// Decode → prefill.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToPrefill {
+    /// Compute and push a prompt's KV.
+    Prefill(PrefillOrder),
+    /// Stop working on a request (the client cancelled, or decode aborted it).
+    Cancel {
+        /// The request.
+        request: RequestId,
+    },
+}
+
+/// What a node announces when a link comes up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Tokens its pool can hold (pages × page slots).
+    pub pool_tokens: usize,
+    /// Token slots per page (must be equal on both nodes).
+    pub page_slots: usize,
+    /// Layers of the model (must be equal).
+    pub n_layers: usize,
+    /// Values of one slot's K (or V) for one layer (must be equal).
+    pub kv_dim: usize,
+    /// The model's context window.
+    pub context_length: usize,
+}
+
+/// The bytes of a KV transfer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvPayload {
+    /// The bytes travel with the message, in [`kv_wire_layout`] order; the
+    /// receiver writes them into its pages.
+    Bytes(Vec<u8>),
+    /// The bytes were already written into the receiver's pages by the
+    /// network (RDMA WRITE); the message is the completion notice.
+    Landed,
+}
+
+/// KV moving from prefill to decode.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvTransfer {
+    /// What the transfer claims to carry.
+    pub manifest: Manifest,
+    /// The bytes.
+    pub payload: KvPayload,
+}
+
+/// Prefill → decode.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToDecode {
+    /// The prefill node's capacity, sent first on every link.
+    Hello(NodeInfo),
+    /// KV for some of a request's tokens.
+    Kv(KvTransfer),
+    /// All of the prompt's KV was sent; `first_token` is the first generated token.
+    PrefillDone {
+        /// The request.
+        request: RequestId,
+        /// The token prefill sampled after the prompt.
+        first_token: u32,
+    },
+    /// Prefill refused or failed the request.
+    PrefillFailed {
+        /// The request.
+        request: RequestId,
+        /// Why (a rejection names the prefill pool's limit).
+        error: RequestError,
+    },
+}
+
+/// What a node's inbox receives.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Inbound<M> {
+    /// A message from the peer.
+    Message(M),
+    /// The link to the peer broke; no more messages will come on it.
+    Disconnected {
+        /// What happened (for logs).
+        reason: String,
+    },
+}
+
+/// A link's failure to send.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("link to {peer} is down: {reason}")]
+pub struct LinkDown {
+    /// The peer (`prefill`, `decode`, an address).
+    pub peer: String,
+    /// What happened.
+    pub reason: String,
+}
+
+/// The sending half of a link carrying messages of type `M`.
+pub trait Link<M>: Send + Sync {
+    /// Sends `msg`; an error means the peer will not get it.
+    ///
+    /// # Errors
+    /// [`LinkDown`] when the link is broken.
+    fn send(&self, msg: M) -> Result<(), LinkDown>;
+}
+
+/// The pages and slots a manifest carries, in wire order: `(block-table
+/// index, slot range)` for every page its token range touches.
+///
+/// The bytes of a transfer ([`KvPayload::Bytes`]) follow this order:
+///
+/// ```text
+///  for (index, slots lo..hi) in kv_slices(manifest, page_slots)
+///    for layer in manifest.layers
+///      K of slots lo..hi: (hi-lo) × kv_dim × f16 little-endian  (contiguous in the page)
+///      V of slots lo..hi: (hi-lo) × kv_dim × f16 little-endian
+/// ```
+#[must_use]
+pub fn kv_slices(manifest: &Manifest, page_slots: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+    let start = manifest.first_token as usize;
+    let end = start + manifest.tokens as usize;
+    let mut out = Vec::new();
+    let mut pos = start;
+    while pos < end {
+        let idx = pos / page_slots;
+        let lo = pos % page_slots;
+        let hi = (end - idx * page_slots).min(page_slots);
+        out.push((idx, lo..hi));
+        pos = idx * page_slots + hi;
+    }
+    out
+}
+
+/// Bytes of a transfer's payload for `manifest`.
+#[must_use]
+pub fn kv_payload_len(manifest: &Manifest, kv_dim: usize) -> usize {
+    let layers = manifest.layers.end.saturating_sub(manifest.layers.start) as usize;
+    manifest.tokens as usize * layers * 2 * kv_dim * 2
+}
+
+/// The checksum a manifest carries: XXH3-64 of the payload bytes.
+#[must_use]
+pub fn kv_checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
