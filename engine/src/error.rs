@@ -268,9 +268,211 @@ pub enum EngineError {
         what: String,
     },
 
+    /// An engine configuration value is out of range.
+    #[error("invalid engine configuration: {what}")]
+    Config {
+        /// The value and its allowed range.
+        what: String,
+    },
+
+    /// A node's pool cannot hold one full-context request.
+    #[error(
+        "the {node} node's KV pool of {pool_tokens} tokens cannot hold one request of the full {context}-token context; give a larger pool or allow it (--allow-pool-smaller-than-context), and requests that do not fit are then rejected"
+    )]
+    PoolSmallerThanContext {
+        /// The node.
+        node: String,
+        /// Tokens its pool holds.
+        pool_tokens: usize,
+        /// The context served.
+        context: usize,
+    },
+
     /// A checked attention kernel refused to read a page.
     #[error("attention refused: {0}")]
     Attention(#[from] kvsan_kernels::error::KernelError),
+
+    /// A transport frame does not start with the protocol's magic bytes
+    /// (the peer does not speak the kvsan wire protocol, or framing was lost).
+    #[error("transport frame: bad magic: expected \"KVSN\" (4b 56 53 4e), found {found:02x?}")]
+    WireBadMagic {
+        /// The first four bytes of the frame.
+        found: [u8; 4],
+    },
+
+    /// A transport frame declares a protocol version this build does not speak.
+    #[error(
+        "transport frame: protocol version {version} is not supported (supported: {supported:?})"
+    )]
+    WireUnsupportedVersion {
+        /// The version the frame declares.
+        version: u16,
+        /// The versions this build reads.
+        supported: &'static [u16],
+    },
+
+    /// A transport frame's header is inconsistent (its own checksum, or
+    /// flag bits that no version defines): framing can no longer be trusted.
+    #[error("transport frame: corrupt header: {what}")]
+    WireBadHeader {
+        /// What is wrong, with the values found and expected.
+        what: String,
+    },
+
+    /// A transport frame's payload is larger than the receiver accepts.
+    #[error(
+        "transport frame of type {msg_type}: payload of {len} bytes exceeds the frame limit of {limit} bytes"
+    )]
+    WireFrameTooLarge {
+        /// The frame's message type.
+        msg_type: u8,
+        /// The payload length declared (or needed, when encoding).
+        len: u64,
+        /// The limit.
+        limit: u64,
+    },
+
+    /// The stream ended inside a frame.
+    #[error(
+        "truncated transport frame: the stream ended in the {part} after {got} of {needed} bytes"
+    )]
+    WireTruncated {
+        /// `header` or `payload`.
+        part: &'static str,
+        /// Bytes of that part received.
+        got: u64,
+        /// Bytes of that part the frame needs.
+        needed: u64,
+    },
+
+    /// A well-delimited frame carries a message type the receiving side
+    /// does not accept.
+    #[error(
+        "transport frame: message type {msg_type} is not accepted on the {direction} link (accepted: {accepted}){}",
+        request.map(|r| format!(" (request {})", r.0)).unwrap_or_default()
+    )]
+    WireUnknownMessageType {
+        /// The type found.
+        msg_type: u8,
+        /// The request the header names, if any.
+        request: Option<kvsan_sanitizer::RequestId>,
+        /// The link's direction (`decode → prefill`, `prefill → decode`).
+        direction: &'static str,
+        /// The types that direction accepts, with their names.
+        accepted: &'static str,
+    },
+
+    /// A well-delimited frame's payload does not match its checksum.
+    #[error(
+        "transport frame of type {msg_type}{}: payload checksum mismatch: header says {expected:#018x}, payload hashes to {actual:#018x}",
+        request.map(|r| format!(" for request {}", r.0)).unwrap_or_default()
+    )]
+    WireChecksumMismatch {
+        /// The frame's message type.
+        msg_type: u8,
+        /// The request the header names, if any.
+        request: Option<kvsan_sanitizer::RequestId>,
+        /// The XXH3-64 the header carries.
+        expected: u64,
+        /// The XXH3-64 of the payload received.
+        actual: u64,
+    },
+
+    /// A well-delimited frame's payload cannot be decoded as its message.
+    #[error(
+        "transport frame of type {msg_type}{}: malformed payload: field {field}: {what}",
+        request.map(|r| format!(" for request {}", r.0)).unwrap_or_default()
+    )]
+    WireMalformed {
+        /// The frame's message type.
+        msg_type: u8,
+        /// The request the header names, if any.
+        request: Option<kvsan_sanitizer::RequestId>,
+        /// The field that could not be decoded (`manifest.dst_pages`, …).
+        field: &'static str,
+        /// What is wrong, with the values and the limit.
+        what: String,
+    },
+
+    /// Reading or writing a transport connection failed.
+    #[error("transport connection with {peer}: {op} failed: {source}")]
+    WireIo {
+        /// The peer (`prefill@127.0.0.1:7001`, or `peer` when unknown).
+        peer: String,
+        /// What was being done (`read`, `write`, `set TCP_NODELAY`, …).
+        op: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A TCP listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    TcpListen {
+        /// The address asked for.
+        addr: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// No TCP connection to a peer could be made within the retry window.
+    #[error("cannot connect to {addr} (kept trying for {waited:?}): {source}")]
+    TcpConnect {
+        /// The address asked for.
+        addr: String,
+        /// How long connecting was retried.
+        waited: std::time::Duration,
+        /// The last attempt's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// An RDMA verbs call failed, or the RDMA library is not installed.
+    #[error("RDMA {op} on {device} failed: {detail}")]
+    Rdma {
+        /// The verbs operation (`open device`, `register memory`, `post send`, …).
+        op: &'static str,
+        /// The RDMA device (`-` before one is chosen).
+        device: String,
+        /// The library's error with its causes (`failed to get device list:
+        /// Function not implemented (os error 38)`).
+        detail: String,
+        /// The library's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// No RDMA device, or not the one asked for.
+    #[error("no RDMA device{}: found {found:?}", wanted.as_ref().map(|w| format!(" named '{w}'")).unwrap_or_default())]
+    RdmaNoDevice {
+        /// The device asked for (`None`: any).
+        wanted: Option<String>,
+        /// The devices present.
+        found: Vec<String>,
+    },
+
+    /// The RDMA peer broke the connection protocol: a bad handshake, a
+    /// malformed or oversize message, a transfer outside the remote pool.
+    #[error("RDMA link with {peer}: {what}")]
+    RdmaProtocol {
+        /// The peer (an address, `prefill`, `decode`).
+        peer: String,
+        /// What is wrong, with the value and the limit.
+        what: String,
+    },
+
+    /// The TCP side channel of an RDMA link failed.
+    #[error("RDMA side channel with {peer}: {op} failed: {source}")]
+    RdmaSideChannel {
+        /// The peer's address.
+        peer: String,
+        /// What was being done (`send connection data`, `read message`, …).
+        op: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl EngineError {
