@@ -404,10 +404,7 @@ impl Listener {
 type End<In> = (TcpLink<<In as Inbox>::Reply>, Receiver<Inbound<In>>);
 
 /// Configures `stream`, starts the reader and writer threads.
-fn open<In: Inbox>(
-    stream: TcpStream,
-    opts: &TcpOptions,
-) -> Result<End<In>, EngineError> {
+fn open<In: Inbox>(stream: TcpStream, opts: &TcpOptions) -> Result<End<In>, EngineError> {
     let peer = match stream.peer_addr() {
         Ok(a) => format!("{}@{a}", In::PEER_ROLE),
         Err(_) => In::PEER_ROLE.to_string(),

@@ -430,14 +430,19 @@ pub fn read_header<R: Read>(
     limits: &WireLimits,
 ) -> Result<Option<FrameHeader>, EngineError> {
     let mut h = [0u8; HEADER_LEN];
-    let got = read_full(r, &mut h)?;
+    // The magic first, on its own: a peer of another protocol that sends
+    // less than a header is refused at once, not after a read timeout.
+    let mut got = read_full(r, &mut h[..4])?;
     if got == 0 {
         return Ok(None);
     }
-    if got >= 4 && h[0..4] != MAGIC || got < 4 && h[..got] != MAGIC[..got] {
+    if h[..got] != MAGIC[..got] {
         let mut found = [0u8; 4];
-        found[..got.min(4)].copy_from_slice(&h[..got.min(4)]);
+        found[..got].copy_from_slice(&h[..got]);
         return Err(EngineError::WireBadMagic { found });
+    }
+    if got == 4 {
+        got += read_full(r, &mut h[4..])?;
     }
     if got < HEADER_LEN {
         return Err(EngineError::WireTruncated {
