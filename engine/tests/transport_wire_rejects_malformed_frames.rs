@@ -308,15 +308,20 @@ fn a_header_request_that_disagrees_with_the_payload_is_refused() {
 fn an_unknown_error_kind_or_invalid_utf8_is_named_without_echoing_the_text() {
     let mut p = Vec::new();
     p.extend_from_slice(&4u64.to_le_bytes());
-    p.push(99); // error kind
+    p.extend_from_slice(&6u32.to_le_bytes());
+    p.extend_from_slice(b"bogus!"); // error kind
     let f = raw_frame(wire::TYPE_PREFILL_FAILED, FLAG_REQUEST, 4, &p);
     let e = read::<ToDecode>(&f, &limits()).unwrap_err();
     assert_eq!(malformed_field(&e), "error.kind");
-    assert!(e.to_string().contains("99"), "{e}");
+    assert!(
+        e.to_string().contains("\"bogus!\" is not an error kind"),
+        "{e}"
+    );
 
     let mut p = Vec::new();
     p.extend_from_slice(&4u64.to_le_bytes());
-    p.push(4);
+    p.extend_from_slice(&9u32.to_le_bytes());
+    p.extend_from_slice(b"transport");
     p.extend_from_slice(&3u32.to_le_bytes());
     p.extend_from_slice(&[b's', 0xFF, b'x']);
     p.extend_from_slice(&[0, 0]);

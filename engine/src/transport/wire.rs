@@ -54,7 +54,8 @@
 //!                                                  Bytes: the KV bytes are the bulk section, exactly
 //!                                                  kv_payload_len(manifest, kv_dim) long
 //!    18  prefill → decode   ToDecode::PrefillDone  request u64, first_token u32
-//!    19  prefill → decode   ToDecode::PrefillFailed request u64, kind u8, message str,
+//!    19  prefill → decode   ToDecode::PrefillFailed request u64, kind str (the stable name:
+//!                                                  `rejected`, `transport`, …), message str,
 //!                                                  rejection Option<(reason str, prompt_tokens u64,
 //!                                                  limit u64, node str)>,
 //!                                                  violation Option<(id str, kind str)>
@@ -873,29 +874,12 @@ impl WireMessage for ToPrefill {
 const KV_BYTES: u8 = 0;
 const KV_LANDED: u8 = 1;
 
-fn error_kind_code(kind: ErrorKind) -> u8 {
-    match kind {
-        ErrorKind::Rejected => 1,
-        ErrorKind::Cancelled => 2,
-        ErrorKind::Violation => 3,
-        ErrorKind::Transport => 4,
-        ErrorKind::InvalidRequest => 5,
-        ErrorKind::Internal => 6,
-        ErrorKind::Capacity => 7,
-    }
-}
-
-fn error_kind_from(code: u8) -> Option<ErrorKind> {
-    Some(match code {
-        1 => ErrorKind::Rejected,
-        2 => ErrorKind::Cancelled,
-        3 => ErrorKind::Violation,
-        4 => ErrorKind::Transport,
-        5 => ErrorKind::InvalidRequest,
-        6 => ErrorKind::Internal,
-        7 => ErrorKind::Capacity,
-        _ => return None,
-    })
+/// The kind named `name` (its stable kebab-case name, as serde spells it),
+/// so that kinds added later travel without a change here.
+fn error_kind_named(name: &str) -> Option<ErrorKind> {
+    use serde::Deserialize;
+    use serde::de::value::{Error, StrDeserializer};
+    ErrorKind::deserialize(StrDeserializer::<Error>::new(name)).ok()
 }
 
 /// [`super::kv_payload_len`], checked: `None` when it overflows (a hostile
@@ -984,7 +968,7 @@ impl WireMessage for ToDecode {
             }
             ToDecode::PrefillFailed { request, error } => {
                 p.u64(request.0);
-                p.u8(error_kind_code(error.kind));
+                p.str(error.kind.name());
                 p.str(&error.message);
                 match &error.rejection {
                     None => p.u8(0),
@@ -1101,11 +1085,12 @@ impl WireMessage for ToDecode {
             _ => {
                 no_bulk(header, bulk.as_ref())?;
                 let request = RequestId(t.u64("request")?);
-                let code = t.u8("error.kind")?;
-                let kind = error_kind_from(code).ok_or_else(|| {
+                let name = t.str("error.kind")?;
+                let kind = error_kind_named(&name).ok_or_else(|| {
+                    let shown: String = name.chars().take(32).collect();
                     t.err(
                         "error.kind",
-                        format!("unknown error kind code {code} (known: 1..=6)"),
+                        format!("{shown:?} is not an error kind's name (rejected, transport, …)"),
                     )
                 })?;
                 let message = t.str("error.message")?;
