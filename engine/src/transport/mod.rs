@@ -16,6 +16,8 @@
 //! every request that needed the peer is then aborted with a transport error.
 
 pub mod in_process;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod tcp;
 pub mod wire;
 
