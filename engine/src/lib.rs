@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod chat;
+pub mod engine;
 pub mod error;
 pub mod fetch;
 pub mod generate;
@@ -10,8 +11,10 @@ pub mod gguf;
 pub mod hooks;
 pub mod kv_pool;
 pub mod model;
+pub mod node;
 pub mod request;
 pub mod sampler;
+pub mod scheduler;
 pub mod tokenizer;
 pub mod transport;
 

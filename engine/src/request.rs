@@ -40,6 +40,9 @@ pub enum ErrorKind {
     Rejected,
     /// Cancelled by the client.
     Cancelled,
+    /// The node's KV pool cannot hold the request's context even alone (only
+    /// possible when the pool is configured smaller than the context).
+    Capacity,
     /// Aborted by the sanitizer: the message names the violation.
     Violation,
     /// The peer node failed or the link dropped while the request needed it.
@@ -57,6 +60,7 @@ impl ErrorKind {
         match self {
             ErrorKind::Rejected => "rejected",
             ErrorKind::Cancelled => "cancelled",
+            ErrorKind::Capacity => "capacity",
             ErrorKind::Violation => "violation",
             ErrorKind::Transport => "transport",
             ErrorKind::InvalidRequest => "invalid-request",
@@ -87,9 +91,9 @@ pub struct RequestError {
     /// violation id and kind. Never contains prompt text or KV contents.
     pub message: String,
     /// For [`ErrorKind::Rejected`]: the details.
-    pub rejection: Option<Rejection>,
+    pub rejection: Option<Box<Rejection>>,
     /// For [`ErrorKind::Violation`]: the violation id (`KV-000001`) and kind.
-    pub violation: Option<(String, String)>,
+    pub violation: Option<Box<(String, String)>>,
 }
 
 impl RequestError {
@@ -113,7 +117,7 @@ impl RequestError {
                 "rejected by the {} node: {} (prompt of {} tokens, limit {} tokens)",
                 rejection.node, rejection.reason, rejection.prompt_tokens, rejection.limit
             ),
-            rejection: Some(rejection),
+            rejection: Some(Box::new(rejection)),
             violation: None,
         }
     }

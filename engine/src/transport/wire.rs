@@ -980,7 +980,7 @@ impl WireMessage for ToDecode {
                         p.str(&r.node);
                     }
                 }
-                match &error.violation {
+                match error.violation.as_deref() {
                     None => p.u8(0),
                     Some((id, kind)) => {
                         p.u8(1);
@@ -1095,17 +1095,20 @@ impl WireMessage for ToDecode {
                 })?;
                 let message = t.str("error.message")?;
                 let rejection = if t.flag("error.rejection")? {
-                    Some(Rejection {
+                    Some(Box::new(Rejection {
                         reason: t.str("error.rejection.reason")?,
                         prompt_tokens: t.usize("error.rejection.prompt_tokens")?,
                         limit: t.usize("error.rejection.limit")?,
                         node: t.str("error.rejection.node")?,
-                    })
+                    }))
                 } else {
                     None
                 };
                 let violation = if t.flag("error.violation")? {
-                    Some((t.str("error.violation.id")?, t.str("error.violation.kind")?))
+                    Some(Box::new((
+                        t.str("error.violation.id")?,
+                        t.str("error.violation.kind")?,
+                    )))
                 } else {
                     None
                 };

@@ -106,7 +106,7 @@ pub fn every_to_decode() -> Vec<ToDecode> {
                 kind: ErrorKind::Violation,
                 message: "stale-read on page 4".into(),
                 rejection: None,
-                violation: Some(("KV-000001".into(), "stale-read".into())),
+                violation: Some(Box::new(("KV-000001".into(), "stale-read".into()))),
             },
         },
     ]
@@ -188,13 +188,15 @@ fn request_error() -> impl Strategy<Value = RequestError> {
         .prop_map(|(kind, message, rejection, violation)| RequestError {
             kind,
             message,
-            rejection: rejection.map(|(reason, prompt_tokens, limit, node)| Rejection {
-                reason,
-                prompt_tokens,
-                limit,
-                node,
+            rejection: rejection.map(|(reason, prompt_tokens, limit, node)| {
+                Box::new(Rejection {
+                    reason,
+                    prompt_tokens,
+                    limit,
+                    node,
+                })
             }),
-            violation,
+            violation: violation.map(Box::new),
         })
 }
 

@@ -1,0 +1,425 @@
+//! The engine's public face: start a unified or disaggregated engine,
+//! `submit` requests, read their event streams, `cancel` them.
+//!
+//! ```text
+//!  client ──submit──▶ [unified node]                          (one pool)
+//!  client ──submit──▶ [decode node] ◀──link──▶ [prefill node]  (two pools)
+//! ```
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use kvsan_sanitizer::{NodeRole, RequestId};
+
+use crate::EngineError;
+use crate::hooks::Hooks;
+use crate::model::{AttentionCheck, Model};
+use crate::node::core::NodeCore;
+use crate::node::decode::DecodeNode;
+use crate::node::prefill::{Exit, PrefillNode};
+use crate::node::{Command, NodeStats, unified};
+use crate::request::{Event, FinishReason, Request, RequestError};
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::transport::{Inbound, Link, ToDecode, ToPrefill, in_process};
+
+/// How an engine is set up.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Token slots per KV page.
+    pub page_slots: usize,
+    /// Context window served (at most the model's; `None`: the model's).
+    pub context: Option<usize>,
+    /// Tokens of the unified node's pool (`None`: one full context).
+    pub pool_tokens: Option<usize>,
+    /// Tokens of the prefill node's pool (`None`: one full context).
+    pub prefill_pool_tokens: Option<usize>,
+    /// Tokens of the decode node's pool (`None`: one full context).
+    pub decode_pool_tokens: Option<usize>,
+    /// Start even when a pool cannot hold one full-context request (such
+    /// requests are then rejected one by one, saying why).
+    pub allow_pool_smaller_than_context: bool,
+    /// Step limits.
+    pub scheduler: SchedulerConfig,
+    /// How attention reads the pool.
+    pub check: AttentionCheck,
+    /// The hook target.
+    pub hooks: Hooks,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            page_slots: 16,
+            context: None,
+            pool_tokens: None,
+            prefill_pool_tokens: None,
+            decode_pool_tokens: None,
+            allow_pool_smaller_than_context: false,
+            scheduler: SchedulerConfig::default(),
+            check: AttentionCheck::Unchecked,
+            hooks: Hooks::none(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The context served, checked against the model's.
+    fn context(&self, model: &Model) -> Result<usize, EngineError> {
+        let max = model.config().context_length;
+        match self.context {
+            Some(c) if c == 0 || c > max => Err(EngineError::Config {
+                what: format!("context of {c} tokens: must be 1 to the model's {max}"),
+            }),
+            Some(c) => Ok(c),
+            None => Ok(max),
+        }
+    }
+
+    /// Pages for a pool of `tokens` (default: one context) on `node`, refusing
+    /// one smaller than the context unless allowed.
+    fn pages(
+        &self,
+        tokens: Option<usize>,
+        context: usize,
+        node: &str,
+    ) -> Result<usize, EngineError> {
+        if self.page_slots == 0 {
+            return Err(EngineError::Config {
+                what: "page_slots must be at least 1".into(),
+            });
+        }
+        let tokens = tokens.unwrap_or(context);
+        if tokens < context && !self.allow_pool_smaller_than_context {
+            return Err(EngineError::PoolSmallerThanContext {
+                node: node.to_string(),
+                pool_tokens: tokens,
+                context,
+            });
+        }
+        let pages = tokens / self.page_slots;
+        if pages == 0 {
+            return Err(EngineError::Config {
+                what: format!(
+                    "the {node} pool of {tokens} tokens holds no page of {} slots",
+                    self.page_slots
+                ),
+            });
+        }
+        Ok(pages)
+    }
+}
+
+/// A submitted request: its id and its event stream.
+#[derive(Debug)]
+pub struct RequestHandle {
+    /// The request's id.
+    pub id: RequestId,
+    /// Its events: tokens, then `Finished` or `Error`.
+    pub events: Receiver<Event>,
+}
+
+/// What a request produced, once it ended normally.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Output {
+    /// The generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why it finished.
+    pub reason: FinishReason,
+}
+
+impl RequestHandle {
+    /// Waits for the end of the request.
+    ///
+    /// # Errors
+    /// The request's error; a stream that ends without a final event is an
+    /// internal error.
+    pub fn wait(&self) -> Result<Output, RequestError> {
+        let mut tokens = Vec::new();
+        for event in self.events.iter() {
+            match event {
+                Event::Token(t) => tokens.push(t),
+                Event::Finished { reason, .. } => return Ok(Output { tokens, reason }),
+                Event::Error(e) => return Err(e),
+            }
+        }
+        Err(RequestError::new(
+            crate::request::ErrorKind::Internal,
+            "the engine stopped before the request ended",
+        ))
+    }
+}
+
+/// Counters of an engine's nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineStats {
+    /// The node clients talk to (unified or decode).
+    pub front: NodeStats,
+    /// The in-process prefill node, if any.
+    pub prefill: Option<NodeStats>,
+}
+
+/// A running engine.
+pub struct Engine {
+    front: Sender<Command>,
+    prefill: Option<Sender<Command>>,
+    next_id: AtomicU64,
+    threads: Vec<JoinHandle<()>>,
+}
+
+static ENGINE_IDS: AtomicU64 = AtomicU64::new(0);
+
+impl Engine {
+    /// A unified engine: one node, one pool.
+    ///
+    /// # Errors
+    /// [`EngineError::PoolSmallerThanContext`] or [`EngineError::Config`] for
+    /// a configuration it refuses; pool allocation errors.
+    pub fn unified(model: Arc<Model>, cfg: &EngineConfig) -> Result<Engine, EngineError> {
+        let context = cfg.context(&model)?;
+        let pages = cfg.pages(cfg.pool_tokens, context, "unified")?;
+        let core = NodeCore::new(
+            model,
+            pages,
+            cfg.page_slots,
+            NodeRole::Unified,
+            "unified",
+            cfg.hooks.clone(),
+            cfg.check,
+        )?;
+        let sched = Scheduler::new(cfg.scheduler);
+        let (tx, rx) = unbounded();
+        let t = spawn("kvsan-unified", move || {
+            unified::run(core, sched, context, rx)
+        })?;
+        Ok(Engine::with(tx, None, vec![t]))
+    }
+
+    /// A disaggregated engine in one process: a prefill node and a decode
+    /// node with separate pools, linked in-process.
+    ///
+    /// # Errors
+    /// As [`Engine::unified`], for either pool.
+    pub fn disaggregated(model: Arc<Model>, cfg: &EngineConfig) -> Result<Engine, EngineError> {
+        let context = cfg.context(&model)?;
+        let ppages = cfg.pages(cfg.prefill_pool_tokens, context, "prefill")?;
+        let dpages = cfg.pages(cfg.decode_pool_tokens, context, "decode")?;
+        let pcore = NodeCore::new(
+            model.clone(),
+            ppages,
+            cfg.page_slots,
+            NodeRole::Prefill,
+            "prefill",
+            cfg.hooks.clone(),
+            cfg.check,
+        )?;
+        let dcore = NodeCore::new(
+            model,
+            dpages,
+            cfg.page_slots,
+            NodeRole::Decode,
+            "decode",
+            cfg.hooks.clone(),
+            cfg.check,
+        )?;
+        let pair = in_process::pair();
+        let (ptx, prx) = unbounded();
+        let mut prefill = PrefillNode::new(pcore, Scheduler::new(cfg.scheduler), context, false);
+        let (to_decode, prefill_inbox) = (pair.to_decode, pair.prefill_inbox);
+        let pt = spawn("kvsan-prefill", move || {
+            prefill.serve(&to_decode, &prefill_inbox, &prx);
+        })?;
+        let (dtx, drx) = unbounded();
+        let decode = DecodeNode::new(dcore, Scheduler::new(cfg.scheduler), context, dtx.clone());
+        let dt = spawn("kvsan-decode", move || decode.run(drx))?;
+        let engine = Engine::with(dtx, Some(ptx), vec![pt, dt]);
+        engine.attach_prefill(Box::new(pair.to_prefill), pair.decode_inbox);
+        Ok(engine)
+    }
+
+    /// A decode node alone, waiting for a prefill node to be attached with
+    /// [`Engine::attach_prefill`] (the TCP and RDMA deployments).
+    ///
+    /// # Errors
+    /// As [`Engine::unified`].
+    pub fn decode_only(model: Arc<Model>, cfg: &EngineConfig) -> Result<Engine, EngineError> {
+        let context = cfg.context(&model)?;
+        let dpages = cfg.pages(cfg.decode_pool_tokens, context, "decode")?;
+        let dcore = NodeCore::new(
+            model,
+            dpages,
+            cfg.page_slots,
+            NodeRole::Decode,
+            "decode",
+            cfg.hooks.clone(),
+            cfg.check,
+        )?;
+        let (dtx, drx) = unbounded();
+        let decode = DecodeNode::new(dcore, Scheduler::new(cfg.scheduler), context, dtx.clone());
+        let dt = spawn("kvsan-decode", move || decode.run(drx))?;
+        Ok(Engine::with(dtx, None, vec![dt]))
+    }
+
+    fn with(
+        front: Sender<Command>,
+        prefill: Option<Sender<Command>>,
+        threads: Vec<JoinHandle<()>>,
+    ) -> Engine {
+        // Request ids differ across engines of one process (tests run several
+        // engines against one sanitizer).
+        let base = ENGINE_IDS.fetch_add(1, Ordering::Relaxed) << 40;
+        Engine {
+            front,
+            prefill,
+            next_id: AtomicU64::new(base + 1),
+            threads,
+        }
+    }
+
+    /// Connects a (new) prefill node to the decode node; requests that were
+    /// waiting on a previous link are aborted.
+    pub fn attach_prefill(
+        &self,
+        link: Box<dyn Link<ToPrefill>>,
+        inbox: Receiver<Inbound<ToDecode>>,
+    ) {
+        let _ = self.front.send(Command::AttachPrefill { link, inbox });
+    }
+
+    /// Submits a request; its events arrive on the handle.
+    pub fn submit(&self, request: Request) -> RequestHandle {
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = unbounded();
+        let owner = crate::request::owner(id, request.tenant);
+        if self
+            .front
+            .send(Command::Submit {
+                owner,
+                request,
+                events: tx.clone(),
+            })
+            .is_err()
+        {
+            let _ = tx.send(Event::Error(RequestError::new(
+                crate::request::ErrorKind::Internal,
+                "the engine has stopped",
+            )));
+        }
+        RequestHandle { id, events: rx }
+    }
+
+    /// Cancels a request: its pages are freed, its stream ends with a
+    /// `cancelled` error (a request that already ended is left alone).
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.front.send(Command::Cancel(id));
+    }
+
+    /// The nodes' counters (after the commands sent before this call).
+    pub fn stats(&self) -> EngineStats {
+        let ask = |tx: &Sender<Command>| {
+            let (stx, srx) = unbounded();
+            tx.send(Command::Stats(stx)).ok()?;
+            srx.recv().ok()
+        };
+        EngineStats {
+            front: ask(&self.front).unwrap_or_default(),
+            prefill: self.prefill.as_ref().and_then(ask),
+        }
+    }
+
+    /// Fails what is still running and stops the nodes.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.front.send(Command::Shutdown);
+        if let Some(p) = &self.prefill {
+            let _ = p.send(Command::Shutdown);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, EngineError> {
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(f)
+        .map_err(|e| EngineError::io(name, "spawn thread", e))
+}
+
+/// The control side of a prefill node run by [`serve_prefill`]: counters
+/// and shutdown, from another thread.
+#[derive(Clone, Debug)]
+pub struct PrefillControl {
+    tx: Sender<Command>,
+}
+
+/// What [`serve_prefill`] listens on for [`PrefillControl`]'s commands.
+pub struct PrefillControlInbox {
+    rx: Receiver<Command>,
+}
+
+impl PrefillControl {
+    /// A control and the inbox to hand to [`serve_prefill`].
+    #[must_use]
+    pub fn new() -> (PrefillControl, PrefillControlInbox) {
+        let (tx, rx) = unbounded();
+        (PrefillControl { tx }, PrefillControlInbox { rx })
+    }
+
+    /// The prefill node's counters (`None` when it has stopped).
+    #[must_use]
+    pub fn stats(&self) -> Option<NodeStats> {
+        let (stx, srx) = unbounded();
+        self.tx.send(Command::Stats(stx)).ok()?;
+        srx.recv().ok()
+    }
+
+    /// Frees every request and stops serving.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+/// A prefill node serving decode nodes over links that `connect` brings up,
+/// one after another: when a link breaks, its requests are freed and the
+/// next link is asked for. Returns when `connect` gives up (returns `None`)
+/// or shutdown is sent on `control`.
+///
+/// # Errors
+/// As [`Engine::unified`], for the prefill pool.
+pub fn serve_prefill(
+    model: Arc<Model>,
+    cfg: &EngineConfig,
+    control: PrefillControlInbox,
+    mut connect: impl FnMut() -> Option<(Box<dyn Link<ToDecode>>, Receiver<Inbound<ToPrefill>>)>,
+) -> Result<(), EngineError> {
+    let context = cfg.context(&model)?;
+    let pages = cfg.pages(cfg.prefill_pool_tokens, context, "prefill")?;
+    let core = NodeCore::new(
+        model,
+        pages,
+        cfg.page_slots,
+        NodeRole::Prefill,
+        "prefill",
+        cfg.hooks.clone(),
+        cfg.check,
+    )?;
+    let mut node = PrefillNode::new(core, Scheduler::new(cfg.scheduler), context, true);
+    while let Some((link, inbox)) = connect() {
+        if let Exit::Shutdown = node.serve(link.as_ref(), &inbox, &control.rx) {
+            break;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! What every node does with its pool: allocate and free pages, and run a
+//! forward step over a batch of sequences — each through the hooks.
+
+use std::sync::Arc;
+
+use kvsan_sanitizer::{NodeRole, Owner, PoolGeometry, PoolId, Verdict};
+
+use crate::hooks::{Hooks, RequestEvent};
+use crate::kv_pool::KvPool;
+use crate::model::{AttentionCheck, Logits, Model, SeqChunk};
+use crate::node::sequence::Sequence;
+use crate::request::{ErrorKind, RequestError};
+
+/// Counters a node keeps for tests and the operator.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    /// Pages in the pool.
+    pub total_pages: usize,
+    /// Pages on the free list now.
+    pub free_pages: usize,
+    /// Page allocations since start.
+    pub pages_allocated: u64,
+    /// KV transfers sent (prefill) or received (decode) since start.
+    pub transfers: u64,
+    /// Requests running now.
+    pub running: usize,
+    /// Requests waiting now.
+    pub waiting: usize,
+    /// Requests preempted (by recompute) since start.
+    pub preemptions: u64,
+    /// Forward steps run since start.
+    pub steps: u64,
+}
+
+/// A sequence's share of one step: `n` new tokens from `computed`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Planned {
+    /// Index of the sequence in the node's running list.
+    pub seq: usize,
+    /// Tokens to compute.
+    pub n: usize,
+}
+
+/// What became of a planned chunk.
+#[derive(Debug)]
+pub(crate) enum ChunkOutcome {
+    /// Computed; `Some(token)` when the chunk completed the context and a
+    /// next token was sampled.
+    Done(Option<u32>),
+    /// A hook or checked kernel refused it: abort the request with this error.
+    Refused(RequestError),
+}
+
+/// A node's pool, model and hooks.
+pub(crate) struct NodeCore {
+    pub model: Arc<Model>,
+    pub pool: KvPool,
+    pub pool_id: PoolId,
+    pub hooks: Hooks,
+    pub check: AttentionCheck,
+    pub name: String,
+    pub step: u64,
+    pub stats: NodeStats,
+}
+
+/// The client-facing error for a hook's abort verdict.
+pub(crate) fn violation_error(verdict: Verdict, node: &str) -> RequestError {
+    match verdict {
+        Verdict::Abort { violation, kind } => RequestError {
+            kind: ErrorKind::Violation,
+            message: format!(
+                "aborted by kvsan on the {node} node: violation {violation} ({})",
+                kind.name()
+            ),
+            rejection: None,
+            violation: Some(Box::new((violation.to_string(), kind.name().to_string()))),
+        },
+        Verdict::Continue => RequestError::new(ErrorKind::Internal, "aborted without a violation"),
+    }
+}
+
+impl NodeCore {
+    /// A node named `name` with a pool of `n_pages` pages of `page_slots` slots.
+    pub fn new(
+        model: Arc<Model>,
+        n_pages: usize,
+        page_slots: usize,
+        role: NodeRole,
+        name: &str,
+        hooks: Hooks,
+        check: AttentionCheck,
+    ) -> Result<NodeCore, crate::EngineError> {
+        let geometry = model.kv_geometry(page_slots);
+        let pool = KvPool::new(geometry, n_pages)?;
+        let shadow = PoolGeometry {
+            pages: n_pages as u32,
+            page_slots: page_slots as u32,
+            layers: geometry.n_layers as u32,
+            bytes_per_slot: (geometry.slot_width() * 2 * 2) as u64,
+            role,
+            node: name.to_string(),
+        };
+        let pool_id = hooks.pool_register(&shadow, PoolId(0));
+        Ok(NodeCore {
+            model,
+            stats: NodeStats {
+                total_pages: n_pages,
+                free_pages: n_pages,
+                ..NodeStats::default()
+            },
+            pool,
+            pool_id,
+            hooks,
+            check,
+            name: name.to_string(),
+            step: 0,
+        })
+    }
+
+    /// Tokens the pool can hold.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.n_pages() * self.pool.page_slots()
+    }
+
+    /// Reports a lifecycle event; an abort verdict becomes the request's error.
+    pub fn event(&self, owner: Owner, event: RequestEvent) -> Result<(), RequestError> {
+        match self.hooks.request_event(owner, event) {
+            Verdict::Continue => Ok(()),
+            v => Err(violation_error(v, &self.name)),
+        }
+    }
+
+    /// Grows `seq`'s block table to cover `tokens` positions. `Ok(false)` when
+    /// the pool ran out (pages taken so far stay with the sequence).
+    pub fn ensure_pages(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: usize,
+    ) -> Result<bool, RequestError> {
+        let need = tokens.div_ceil(self.pool.page_slots());
+        while seq.table.len() < need {
+            let Some(page) = self.pool.alloc() else {
+                return Ok(false);
+            };
+            self.stats.pages_allocated += 1;
+            seq.table.push(page);
+            let verdict = self.hooks.alloc(self.pool_id, seq.owner, page, self.step);
+            if !verdict.is_continue() {
+                return Err(violation_error(verdict, &self.name));
+            }
+        }
+        Ok(true)
+    }
+
+    /// Returns every page of `seq` to the pool.
+    pub fn release(&mut self, seq: &mut Sequence) {
+        for page in seq.table.drain(..) {
+            // A refused free (the sanitizer's double-free/foreign-free) is
+            // reported by the hook; the request is ending either way.
+            let _ = self.hooks.free(self.pool_id, seq.owner, page, self.step);
+            if let Err(e) = self.pool.free(page) {
+                tracing::error!(node = %self.name, request = seq.owner.request.0, "{e}");
+            }
+        }
+        seq.computed = 0;
+    }
+
+    /// Checks one chunk through the hooks: the writes of its new slots, then
+    /// the attention read of everything up to its last token.
+    fn check_chunk(&self, seq: &Sequence, n: usize) -> Result<(), RequestError> {
+        let ps = self.pool.page_slots();
+        let layers = 0..self.model.config().n_layers as u32;
+        let (start, end) = (seq.computed, seq.computed + n);
+        let mut pos = start;
+        while pos < end {
+            let idx = pos / ps;
+            let hi = (end - idx * ps).min(ps);
+            let verdict = self.hooks.write(
+                self.pool_id,
+                seq.owner,
+                seq.table[idx],
+                (pos - idx * ps) as u32..hi as u32,
+                layers.clone(),
+                self.step,
+            );
+            if !verdict.is_continue() {
+                return Err(violation_error(verdict, &self.name));
+            }
+            pos = idx * ps + hi;
+        }
+        let table = &seq.table[..end.div_ceil(ps)];
+        let verdict = self
+            .hooks
+            .read(self.pool_id, seq.owner, table, end, layers, self.step);
+        if !verdict.is_continue() {
+            return Err(violation_error(verdict, &self.name));
+        }
+        Ok(())
+    }
+
+    /// Runs one forward step over `plan` (pages already allocated), samples
+    /// a token for each chunk that completes its context, and advances
+    /// `computed`. Outcomes are in plan order.
+    pub fn run(&mut self, seqs: &mut [Sequence], plan: &[Planned]) -> Vec<ChunkOutcome> {
+        self.step += 1;
+        self.stats.steps += 1;
+        let mut outcomes: Vec<Option<ChunkOutcome>> = plan
+            .iter()
+            .map(|p| {
+                self.check_chunk(&seqs[p.seq], p.n)
+                    .err()
+                    .map(ChunkOutcome::Refused)
+            })
+            .collect();
+        let live: Vec<usize> = (0..plan.len()).filter(|&i| outcomes[i].is_none()).collect();
+        match self.forward(seqs, plan, &live) {
+            Ok(logits) => self.sample(seqs, plan, &live, &logits, &mut outcomes),
+            Err(_) => {
+                // A checked kernel refused a page of one sequence: find which,
+                // chunk by chunk, and run the others.
+                for &i in &live {
+                    match self.forward(seqs, plan, &[i]) {
+                        Ok(logits) => self.sample(seqs, plan, &[i], &logits, &mut outcomes),
+                        Err(e) => {
+                            outcomes[i] = Some(ChunkOutcome::Refused(RequestError::new(
+                                ErrorKind::Violation,
+                                format!("aborted on the {} node: {e}", self.name),
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        outcomes
+            .into_iter()
+            .map(|o| o.expect("every chunk has an outcome"))
+            .collect()
+    }
+
+    fn forward(
+        &mut self,
+        seqs: &[Sequence],
+        plan: &[Planned],
+        live: &[usize],
+    ) -> Result<Vec<f32>, crate::EngineError> {
+        let chunks: Vec<SeqChunk<'_>> = live
+            .iter()
+            .map(|&i| {
+                let (s, n) = (&seqs[plan[i].seq], plan[i].n);
+                SeqChunk {
+                    tokens: &s.tokens[s.computed..s.computed + n],
+                    start_pos: s.computed,
+                    block_table: &s.table,
+                    logits: if s.computed + n == s.tokens.len() {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
+                }
+            })
+            .collect();
+        self.model.forward(&mut self.pool, &chunks, self.check)
+    }
+
+    fn sample(
+        &self,
+        seqs: &mut [Sequence],
+        plan: &[Planned],
+        live: &[usize],
+        logits: &[f32],
+        outcomes: &mut [Option<ChunkOutcome>],
+    ) {
+        let vocab = self.model.config().vocab_size;
+        let mut row = 0;
+        for &i in live {
+            let s = &mut seqs[plan[i].seq];
+            s.computed += plan[i].n;
+            let token = if s.computed == s.tokens.len() {
+                let t = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+                row += 1;
+                Some(t)
+            } else {
+                None
+            };
+            outcomes[i] = Some(ChunkOutcome::Done(token));
+        }
+    }
+}

@@ -1,0 +1,475 @@
+//! The decode node of a disaggregated deployment: admits requests, reserves
+//! pages for their prompts, has the prefill node push the prompts' KV into
+//! them, commits, and generates.
+
+use std::collections::{HashMap, VecDeque};
+
+use crossbeam_channel::{Receiver, Sender};
+use kvsan_sanitizer::{Owner, RequestId};
+
+use crate::hooks::RequestEvent;
+use crate::node::Command;
+use crate::node::admission::{self, PoolLimit};
+use crate::node::core::{NodeCore, violation_error};
+use crate::node::sequence::Sequence;
+use crate::node::unified::{self, fail, new_sequence};
+use crate::request::{ErrorKind, Event, Request, RequestError};
+use crate::scheduler::Scheduler;
+use crate::transport::{
+    Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
+    kv_payload_len, kv_slices,
+};
+
+/// The current link to a prefill node.
+struct PrefillPeer {
+    epoch: u64,
+    link: Box<dyn Link<ToPrefill>>,
+    info: Option<NodeInfo>,
+}
+
+/// The decode node's state.
+pub(crate) struct DecodeNode {
+    core: NodeCore,
+    sched: Scheduler,
+    context: usize,
+    peer: Option<PrefillPeer>,
+    epochs: u64,
+    /// Submitted before the prefill node announced its capacity.
+    unchecked: VecDeque<(Owner, Request, Sender<Event>)>,
+    /// Admitted, waiting for pages to reserve.
+    reserve: VecDeque<Sequence>,
+    /// Pages reserved, KV on its way from prefill.
+    transferring: HashMap<RequestId, Sequence>,
+    tx: Sender<Command>,
+}
+
+impl DecodeNode {
+    pub fn new(
+        core: NodeCore,
+        sched: Scheduler,
+        context: usize,
+        tx: Sender<Command>,
+    ) -> DecodeNode {
+        DecodeNode {
+            core,
+            sched,
+            context,
+            peer: None,
+            epochs: 0,
+            unchecked: VecDeque::new(),
+            reserve: VecDeque::new(),
+            transferring: HashMap::new(),
+            tx,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.sched.is_idle() && self.reserve.is_empty()
+    }
+
+    /// The node's loop.
+    pub fn run(mut self, rx: Receiver<Command>) {
+        loop {
+            let first = if self.idle() {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                if !self.command(cmd) {
+                    return;
+                }
+            }
+            self.reserve_pages();
+            unified::step(&mut self.core, &mut self.sched);
+        }
+    }
+
+    /// Handles one command; false to stop.
+    fn command(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit {
+                owner,
+                request,
+                events,
+            } => self.submit(owner, request, events),
+            Command::Cancel(id) => self.cancel(id),
+            Command::Stats(tx) => {
+                let mut s = unified::stats(&self.core, &self.sched);
+                s.waiting += self.reserve.len() + self.unchecked.len() + self.transferring.len();
+                let _ = tx.send(s);
+            }
+            Command::AttachPrefill { link, inbox } => self.attach(link, inbox),
+            Command::FromPrefill { epoch, inbound } => {
+                if self.peer.as_ref().is_some_and(|p| p.epoch == epoch) {
+                    self.on_prefill_message(inbound);
+                }
+            }
+            Command::Shutdown => {
+                self.fail_waiting_for_prefill("the engine is shutting down");
+                unified::shutdown(&mut self.core, &mut self.sched);
+                return false;
+            }
+        }
+        true
+    }
+
+    fn attach(&mut self, link: Box<dyn Link<ToPrefill>>, inbox: Receiver<Inbound<ToDecode>>) {
+        if self.peer.is_some() {
+            self.fail_waiting_for_prefill("the prefill link was replaced");
+        }
+        self.epochs += 1;
+        let epoch = self.epochs;
+        let tx = self.tx.clone();
+        std::thread::Builder::new()
+            .name(format!("kvsan-decode-link-{epoch}"))
+            .spawn(move || {
+                for inbound in inbox.iter() {
+                    let last = matches!(inbound, Inbound::Disconnected { .. });
+                    if tx.send(Command::FromPrefill { epoch, inbound }).is_err() || last {
+                        return;
+                    }
+                }
+                let _ = tx.send(Command::FromPrefill {
+                    epoch,
+                    inbound: Inbound::Disconnected {
+                        reason: "the link's inbox closed".into(),
+                    },
+                });
+            })
+            .expect("spawn the link forwarder");
+        self.peer = Some(PrefillPeer {
+            epoch,
+            link,
+            info: None,
+        });
+    }
+
+    fn submit(&mut self, owner: Owner, request: Request, events: Sender<Event>) {
+        let Some(peer) = &self.peer else {
+            let _ = self.core.hooks.request_event(owner, RequestEvent::Aborted);
+            let _ = events.send(Event::Error(RequestError::new(
+                ErrorKind::Transport,
+                "no prefill node is connected to this decode node",
+            )));
+            return;
+        };
+        let Some(info) = peer.info else {
+            self.unchecked.push_back((owner, request, events));
+            return;
+        };
+        let limits = [
+            PoolLimit {
+                node: "prefill",
+                tokens: info.pool_tokens,
+            },
+            PoolLimit {
+                node: "decode",
+                tokens: self.core.capacity_tokens(),
+            },
+        ];
+        let context = self.context.min(info.context_length);
+        let checked = admission::check(&request, &self.core.model, context, &limits);
+        match checked.and_then(|()| new_sequence(owner, request, Some(events.clone()))) {
+            Ok(seq) => {
+                let _ = self.core.event(owner, RequestEvent::Queued);
+                self.reserve.push_back(seq);
+            }
+            Err(e) => {
+                let event = if e.kind == ErrorKind::Rejected {
+                    RequestEvent::Rejected
+                } else {
+                    RequestEvent::Aborted
+                };
+                let _ = self.core.hooks.request_event(owner, event);
+                tracing::info!(node = %self.core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
+                let _ = events.send(Event::Error(e));
+            }
+        }
+    }
+
+    /// Reserves pages for waiting prompts, in order, and sends their prefill orders.
+    fn reserve_pages(&mut self) {
+        // Running requests first: no new reservations while one of them
+        // waits for a page or a preempted one waits to be recomputed.
+        if self.sched.starved || !self.sched.waiting.is_empty() {
+            return;
+        }
+        while let Some(front) = self.reserve.front() {
+            let need = front.prompt_len.div_ceil(self.core.pool.page_slots());
+            if need > self.core.pool.free_pages() {
+                break;
+            }
+            let mut seq = self.reserve.pop_front().expect("front exists");
+            if let Err(e) = self.core.event(seq.owner, RequestEvent::Admitted) {
+                fail(&mut self.core, seq, e);
+                continue;
+            }
+            let prompt_len = seq.prompt_len;
+            match self.core.ensure_pages(&mut seq, prompt_len) {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.core.release(&mut seq);
+                    self.reserve.push_front(seq);
+                    break;
+                }
+                Err(e) => {
+                    fail(&mut self.core, seq, e);
+                    continue;
+                }
+            }
+            let Some(peer) = &self.peer else {
+                fail(
+                    &mut self.core,
+                    seq,
+                    RequestError::new(ErrorKind::Transport, "the prefill node disconnected"),
+                );
+                continue;
+            };
+            let order = PrefillOrder {
+                owner: seq.owner,
+                prompt: seq.tokens[..seq.prompt_len].to_vec(),
+                sampling: *seq.sampler.params(),
+                dst_pool: self.core.pool_id,
+                dst_pages: seq.table.clone(),
+            };
+            if let Err(e) = peer.link.send(ToPrefill::Prefill(order)) {
+                fail(
+                    &mut self.core,
+                    seq,
+                    RequestError::new(ErrorKind::Transport, e.to_string()),
+                );
+                continue;
+            }
+            self.transferring.insert(seq.owner.request, seq);
+        }
+    }
+
+    fn on_prefill_message(&mut self, inbound: Inbound<ToDecode>) {
+        match inbound {
+            Inbound::Message(ToDecode::Hello(info)) => self.hello(info),
+            Inbound::Message(ToDecode::Kv(transfer)) => self.receive(transfer),
+            Inbound::Message(ToDecode::PrefillDone {
+                request,
+                first_token,
+            }) => self.commit(request, first_token),
+            Inbound::Message(ToDecode::PrefillFailed { request, error }) => {
+                if let Some(seq) = self.transferring.remove(&request) {
+                    fail(&mut self.core, seq, error);
+                }
+            }
+            Inbound::Disconnected { reason } => {
+                tracing::warn!(node = %self.core.name, "prefill link down: {reason}");
+                self.peer = None;
+                self.fail_waiting_for_prefill("the prefill node disconnected");
+            }
+        }
+    }
+
+    fn hello(&mut self, info: NodeInfo) {
+        let g = *self.core.pool.geometry();
+        if info.page_slots != g.page_slots
+            || info.n_layers != g.n_layers
+            || info.kv_dim != g.slot_width()
+        {
+            tracing::error!(
+                node = %self.core.name,
+                "prefill node's KV geometry ({} slots/page, {} layers, kv width {}) differs from ours ({}, {}, {}); link refused",
+                info.page_slots, info.n_layers, info.kv_dim, g.page_slots, g.n_layers, g.slot_width()
+            );
+            self.peer = None;
+            self.fail_waiting_for_prefill("the prefill node runs another model geometry");
+            return;
+        }
+        if let Some(peer) = &mut self.peer {
+            peer.info = Some(info);
+        }
+        for (owner, request, events) in std::mem::take(&mut self.unchecked) {
+            self.submit(owner, request, events);
+        }
+    }
+
+    /// KV bytes landing in a request's reserved pages.
+    fn receive(&mut self, transfer: KvTransfer) {
+        let KvTransfer { manifest, payload } = transfer;
+        let id = manifest.request.request;
+        let Some(seq) = self.transferring.get(&id) else {
+            tracing::warn!(node = %self.core.name, request = id.0, "KV transfer for an unknown request dropped");
+            return;
+        };
+        let problem = self.transfer_problem(seq, &manifest, &payload);
+        if let Some(what) = problem {
+            let seq = self.transferring.remove(&id).expect("present");
+            tracing::warn!(node = %self.core.name, request = id.0, "KV transfer refused: {what}");
+            self.cancel_at_prefill(id);
+            fail(
+                &mut self.core,
+                seq,
+                RequestError::new(ErrorKind::Transport, format!("KV transfer refused: {what}")),
+            );
+            return;
+        }
+        let verdict = self.core.hooks.transfer_recv(self.core.pool_id, &manifest);
+        if let KvPayload::Bytes(bytes) = &payload {
+            let layers = manifest.layers.start as usize..manifest.layers.end as usize;
+            let mut at = 0;
+            for (idx, slots) in kv_slices(&manifest, self.core.pool.page_slots()) {
+                let page = manifest.dst_pages[idx].page;
+                match self
+                    .core
+                    .pool
+                    .unpack_slots(page, slots, layers.clone(), &bytes[at..])
+                {
+                    Ok(n) => at += n,
+                    Err(e) => {
+                        tracing::error!(node = %self.core.name, request = id.0, "{e}");
+                        break;
+                    }
+                }
+            }
+        }
+        self.core.stats.transfers += 1;
+        if !verdict.is_continue() {
+            let seq = self.transferring.remove(&id).expect("present");
+            self.cancel_at_prefill(id);
+            let e = violation_error(verdict, &self.core.name);
+            fail(&mut self.core, seq, e);
+        }
+    }
+
+    /// Frame-level checks of a transfer: the request's own pages, sizes, checksum.
+    fn transfer_problem(
+        &self,
+        seq: &Sequence,
+        manifest: &kvsan_sanitizer::Manifest,
+        payload: &KvPayload,
+    ) -> Option<String> {
+        if manifest.dst_pool != self.core.pool_id || manifest.dst_pages != seq.table {
+            return Some(format!(
+                "it targets pages request {} does not hold",
+                seq.owner.request.0
+            ));
+        }
+        let end = manifest.first_token as usize + manifest.tokens as usize;
+        if end > seq.table.len() * self.core.pool.page_slots() {
+            return Some(format!(
+                "tokens up to {end} exceed the {} reserved pages",
+                seq.table.len()
+            ));
+        }
+        if manifest.layers.end as usize > self.core.model.config().n_layers
+            || manifest.layers.is_empty()
+        {
+            return Some(format!(
+                "layers {:?} outside the model's {}",
+                manifest.layers,
+                self.core.model.config().n_layers
+            ));
+        }
+        if let KvPayload::Bytes(bytes) = payload {
+            let want = kv_payload_len(manifest, self.core.pool.geometry().slot_width());
+            if bytes.len() != want {
+                return Some(format!(
+                    "{} payload bytes, the manifest describes {want}",
+                    bytes.len()
+                ));
+            }
+            let sum = kv_checksum(bytes);
+            if sum != manifest.checksum {
+                return Some(format!(
+                    "checksum {sum:016x}, the manifest says {:016x}",
+                    manifest.checksum
+                ));
+            }
+        }
+        None
+    }
+
+    /// Prefill finished: commit the received KV and start decoding.
+    fn commit(&mut self, request: RequestId, first_token: u32) {
+        let Some(mut seq) = self.transferring.remove(&request) else {
+            tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
+            return;
+        };
+        let verdict = self.core.hooks.transfer_commit(
+            self.core.pool_id,
+            seq.owner,
+            &seq.table,
+            seq.prompt_len,
+        );
+        if !verdict.is_continue() {
+            let e = violation_error(verdict, &self.core.name);
+            fail(&mut self.core, seq, e);
+            return;
+        }
+        if let Err(e) = self
+            .core
+            .event(seq.owner, RequestEvent::Transferring)
+            .and_then(|()| self.core.event(seq.owner, RequestEvent::Decoding))
+        {
+            fail(&mut self.core, seq, e);
+            return;
+        }
+        seq.computed = seq.prompt_len;
+        match seq.push_token(first_token) {
+            Some(reason) => {
+                self.core.release(&mut seq);
+                match self.core.event(seq.owner, RequestEvent::Finished) {
+                    Ok(()) => seq.finish(reason),
+                    Err(e) => seq.fail(e),
+                }
+            }
+            None => {
+                seq.admitted_at = self.sched.next_admission();
+                self.sched.running.push(seq);
+            }
+        }
+    }
+
+    fn cancel_at_prefill(&self, request: RequestId) {
+        if let Some(peer) = &self.peer {
+            let _ = peer.link.send(ToPrefill::Cancel { request });
+        }
+    }
+
+    fn cancel(&mut self, id: RequestId) {
+        let cancelled = RequestError::new(ErrorKind::Cancelled, "cancelled by the client");
+        if let Some(seq) = self.transferring.remove(&id) {
+            self.cancel_at_prefill(id);
+            fail(&mut self.core, seq, cancelled);
+        } else if let Some(i) = self.reserve.iter().position(|s| s.owner.request == id) {
+            let seq = self.reserve.remove(i).expect("index found");
+            fail(&mut self.core, seq, cancelled);
+        } else if let Some(i) = self.unchecked.iter().position(|(o, ..)| o.request == id) {
+            let (owner, _, events) = self.unchecked.remove(i).expect("index found");
+            let _ = self.core.hooks.request_event(owner, RequestEvent::Aborted);
+            let _ = events.send(Event::Error(cancelled));
+        } else {
+            unified::cancel(&mut self.core, &mut self.sched, id);
+        }
+    }
+
+    /// Aborts every request that still needs the prefill node; frees their pages.
+    fn fail_waiting_for_prefill(&mut self, why: &str) {
+        let error = RequestError::new(ErrorKind::Transport, why);
+        let waiting: Vec<Sequence> = self
+            .transferring
+            .drain()
+            .map(|(_, s)| s)
+            .chain(self.reserve.drain(..))
+            .collect();
+        for seq in waiting {
+            fail(&mut self.core, seq, error.clone());
+        }
+        for (owner, _, events) in std::mem::take(&mut self.unchecked) {
+            let _ = self.core.hooks.request_event(owner, RequestEvent::Aborted);
+            let _ = events.send(Event::Error(error.clone()));
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! The prefill node of a disaggregated deployment: computes prompts' KV in
+//! its own pool (continuous batching, chunked prefill) and pushes it into the
+//! pages the decode node reserved, then the first token.
+
+use std::collections::HashMap;
+
+use crossbeam_channel::{Receiver, select};
+use kvsan_sanitizer::{Manifest, PoolId, RequestId};
+
+use crate::hooks::RequestEvent;
+use crate::node::Command;
+use crate::node::admission::{self, PoolLimit};
+use crate::node::core::{ChunkOutcome, NodeCore, violation_error};
+use crate::node::sequence::Sequence;
+use crate::node::unified::{self, new_sequence};
+use crate::request::{ErrorKind, Request, RequestError};
+use crate::scheduler::Scheduler;
+use crate::transport::{
+    Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
+    kv_slices,
+};
+
+/// Tokens per KV transfer message (a prompt's KV goes in pieces of this size).
+pub const TRANSFER_TOKENS: usize = 64;
+
+/// Where a request's KV goes.
+struct Destination {
+    pool: PoolId,
+    pages: Vec<kvsan_sanitizer::PageRef>,
+}
+
+/// The prefill node's state.
+pub(crate) struct PrefillNode {
+    pub core: NodeCore,
+    pub sched: Scheduler,
+    pub context: usize,
+    /// Whether this node reports the end of a request's lifecycle (a prefill
+    /// process of its own does; a prefill node sharing a sanitizer with its
+    /// decode node leaves that to decode).
+    pub owns_lifecycle: bool,
+    dests: HashMap<RequestId, Destination>,
+}
+
+/// Why the prefill loop returned.
+pub(crate) enum Exit {
+    /// The decode link broke (everything was freed).
+    LinkDown,
+    /// Shutdown was asked for.
+    Shutdown,
+}
+
+impl PrefillNode {
+    pub fn new(
+        core: NodeCore,
+        sched: Scheduler,
+        context: usize,
+        owns_lifecycle: bool,
+    ) -> PrefillNode {
+        PrefillNode {
+            core,
+            sched,
+            context,
+            owns_lifecycle,
+            dests: HashMap::new(),
+        }
+    }
+
+    /// What this node announces on a new link.
+    pub fn info(&self) -> NodeInfo {
+        let g = self.core.pool.geometry();
+        NodeInfo {
+            pool_tokens: self.core.capacity_tokens(),
+            page_slots: g.page_slots,
+            n_layers: g.n_layers,
+            kv_dim: g.slot_width(),
+            context_length: self.context,
+        }
+    }
+
+    /// Serves one decode link until it breaks or shutdown is asked for.
+    pub fn serve(
+        &mut self,
+        link: &dyn Link<ToDecode>,
+        inbox: &Receiver<Inbound<ToPrefill>>,
+        control: &Receiver<Command>,
+    ) -> Exit {
+        if link.send(ToDecode::Hello(self.info())).is_err() {
+            self.drop_all("the decode node is unreachable");
+            return Exit::LinkDown;
+        }
+        loop {
+            if self.sched.is_idle() {
+                select! {
+                    recv(inbox) -> m => match m {
+                        Ok(m) => if let Some(exit) = self.inbound(m, link) { return exit; },
+                        Err(_) => { self.drop_all("the decode link closed"); return Exit::LinkDown; }
+                    },
+                    recv(control) -> c => if let Some(exit) = self.control(c.ok()) { return exit; },
+                }
+            }
+            while let Ok(m) = inbox.try_recv() {
+                if let Some(exit) = self.inbound(m, link) {
+                    return exit;
+                }
+            }
+            while let Ok(c) = control.try_recv() {
+                if let Some(exit) = self.control(Some(c)) {
+                    return exit;
+                }
+            }
+            self.step(link);
+        }
+    }
+
+    fn control(&mut self, cmd: Option<Command>) -> Option<Exit> {
+        match cmd {
+            Some(Command::Stats(tx)) => {
+                let _ = tx.send(unified::stats(&self.core, &self.sched));
+                None
+            }
+            Some(Command::Shutdown) | None => {
+                self.drop_all("the prefill node is shutting down");
+                Some(Exit::Shutdown)
+            }
+            Some(_) => None,
+        }
+    }
+
+    fn inbound(&mut self, m: Inbound<ToPrefill>, link: &dyn Link<ToDecode>) -> Option<Exit> {
+        match m {
+            Inbound::Message(ToPrefill::Prefill(order)) => {
+                self.accept(order, link);
+                None
+            }
+            Inbound::Message(ToPrefill::Cancel { request }) => {
+                self.dests.remove(&request);
+                if let Some(seq) = self.sched.take(request) {
+                    self.end(seq, RequestEvent::Aborted);
+                }
+                None
+            }
+            Inbound::Disconnected { reason } => {
+                tracing::warn!(node = %self.core.name, "decode link down: {reason}; freeing every request");
+                self.drop_all("the decode node disconnected");
+                Some(Exit::LinkDown)
+            }
+        }
+    }
+
+    /// Admission on the prefill side: every queue checks the request fits.
+    fn accept(&mut self, order: PrefillOrder, link: &dyn Link<ToDecode>) {
+        let owner = order.owner;
+        let request = Request {
+            tenant: owner.tenant,
+            prompt: order.prompt,
+            max_tokens: 1,
+            sampling: order.sampling,
+            stop_tokens: Vec::new(),
+        };
+        let limits = [PoolLimit {
+            node: "prefill",
+            tokens: self.core.capacity_tokens(),
+        }];
+        let ps = self.core.pool.page_slots();
+        let mut verdict = admission::check(&request, &self.core.model, self.context, &limits);
+        if verdict.is_ok() && order.dst_pages.len() * ps < request.prompt.len() {
+            verdict = Err(RequestError::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "{} destination pages of {ps} slots cannot hold a prompt of {} tokens",
+                    order.dst_pages.len(),
+                    request.prompt.len()
+                ),
+            ));
+        }
+        let seq = verdict.and_then(|()| new_sequence(owner, request, None));
+        match seq {
+            Ok(seq) => {
+                if self.owns_lifecycle {
+                    let _ = self.core.event(owner, RequestEvent::Queued);
+                }
+                self.dests.insert(
+                    owner.request,
+                    Destination {
+                        pool: order.dst_pool,
+                        pages: order.dst_pages,
+                    },
+                );
+                self.sched.waiting.push_back(seq);
+            }
+            Err(error) => {
+                if self.owns_lifecycle {
+                    let event = if error.kind == ErrorKind::Rejected {
+                        RequestEvent::Rejected
+                    } else {
+                        RequestEvent::Aborted
+                    };
+                    let _ = self.core.hooks.request_event(owner, event);
+                }
+                tracing::info!(node = %self.core.name, request = owner.request.0, "prefill refused: {}", error.message);
+                let _ = link.send(ToDecode::PrefillFailed {
+                    request: owner.request,
+                    error,
+                });
+            }
+        }
+    }
+
+    /// One batched prefill step; completed prompts are shipped.
+    fn step(&mut self, link: &dyn Link<ToDecode>) {
+        let (plan, failed) = self.sched.plan(&mut self.core);
+        for (seq, error) in failed {
+            self.fail(seq, error, link);
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let outcomes = self.core.run(&mut self.sched.running, &plan);
+        let mut done: Vec<(usize, Result<u32, RequestError>)> = Vec::new();
+        for (p, outcome) in plan.iter().zip(outcomes) {
+            match outcome {
+                ChunkOutcome::Done(None) => {}
+                ChunkOutcome::Done(Some(first)) => done.push((p.seq, Ok(first))),
+                ChunkOutcome::Refused(e) => done.push((p.seq, Err(e))),
+            }
+        }
+        done.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, result) in done {
+            let seq = self.sched.running.remove(i);
+            match result {
+                Ok(first) => self.ship(seq, first, link),
+                Err(e) => self.fail(seq, e, link),
+            }
+        }
+    }
+
+    /// Pushes a completed prompt's KV and first token to decode, then frees its pages.
+    fn ship(&mut self, seq: Sequence, first_token: u32, link: &dyn Link<ToDecode>) {
+        let Some(dest) = self.dests.remove(&seq.owner.request) else {
+            // Cancelled while computing.
+            self.end(seq, RequestEvent::Aborted);
+            return;
+        };
+        if let Err(e) = self.core.event(seq.owner, RequestEvent::Transferring) {
+            self.fail(seq, e, link);
+            return;
+        }
+        let layers = self.core.model.config().n_layers;
+        let prompt_len = seq.prompt_len;
+        let mut first = 0;
+        while first < prompt_len {
+            let tokens = TRANSFER_TOKENS.min(prompt_len - first);
+            let manifest = Manifest {
+                request: seq.owner,
+                src_pool: self.core.pool_id,
+                src_pages: seq.table.clone(),
+                dst_pool: dest.pool,
+                dst_pages: dest.pages.clone(),
+                first_token: first as u32,
+                tokens: tokens as u32,
+                layers: 0..layers as u32,
+                checksum: 0,
+            };
+            let mut bytes = Vec::new();
+            for (idx, slots) in kv_slices(&manifest, self.core.pool.page_slots()) {
+                self.core
+                    .pool
+                    .pack_slots(seq.table[idx].page, slots, 0..layers, &mut bytes);
+            }
+            let manifest = Manifest {
+                checksum: kv_checksum(&bytes),
+                ..manifest
+            };
+            let verdict = self.core.hooks.transfer_send(self.core.pool_id, &manifest);
+            if !verdict.is_continue() {
+                let e = violation_error(verdict, &self.core.name);
+                self.fail(seq, e, link);
+                return;
+            }
+            let sent = link.send(ToDecode::Kv(KvTransfer {
+                manifest,
+                payload: KvPayload::Bytes(bytes),
+            }));
+            if sent.is_err() {
+                self.end(seq, RequestEvent::Aborted);
+                return;
+            }
+            self.core.stats.transfers += 1;
+            first += tokens;
+        }
+        let _ = link.send(ToDecode::PrefillDone {
+            request: seq.owner.request,
+            first_token,
+        });
+        self.end(seq, RequestEvent::Finished);
+    }
+
+    /// Frees a request's pages; reports the end when this node owns the lifecycle.
+    fn end(&mut self, mut seq: Sequence, event: RequestEvent) {
+        self.core.release(&mut seq);
+        if self.owns_lifecycle {
+            let _ = self.core.event(seq.owner, event);
+        }
+    }
+
+    fn fail(&mut self, seq: Sequence, error: RequestError, link: &dyn Link<ToDecode>) {
+        self.dests.remove(&seq.owner.request);
+        let request = seq.owner.request;
+        self.end(seq, RequestEvent::Aborted);
+        let _ = link.send(ToDecode::PrefillFailed { request, error });
+    }
+
+    /// Frees every request (the link is gone or the node stops).
+    fn drop_all(&mut self, why: &str) {
+        let all: Vec<Sequence> = self
+            .sched
+            .running
+            .drain(..)
+            .chain(self.sched.waiting.drain(..))
+            .collect();
+        for seq in all {
+            tracing::info!(node = %self.core.name, request = seq.owner.request.0, "prefill dropped: {why}");
+            self.end(seq, RequestEvent::Aborted);
+        }
+        self.dests.clear();
+    }
+}

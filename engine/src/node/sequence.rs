@@ -1,0 +1,76 @@
+//! A request as a node holds it: its tokens, pages, sampler and the channel
+//! its events go to.
+
+use crossbeam_channel::Sender;
+use kvsan_sanitizer::{Owner, PageRef};
+
+use crate::request::{Event, FinishReason, RequestError};
+use crate::sampler::Sampler;
+
+/// One request on one node.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    /// Request and tenant.
+    pub owner: Owner,
+    /// The prompt followed by the tokens generated so far.
+    pub tokens: Vec<u32>,
+    /// Length of the prompt within `tokens`.
+    pub prompt_len: usize,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Tokens that end generation.
+    pub stop_tokens: Vec<u32>,
+    /// Chooses each next token (its state survives preemption).
+    pub sampler: Sampler,
+    /// The sequence's pages, from token 0.
+    pub table: Vec<PageRef>,
+    /// Positions whose KV is in the pool (`tokens[..computed]`).
+    pub computed: usize,
+    /// Where the client's events go (`None` on a prefill node: decode answers the client).
+    pub events: Option<Sender<Event>>,
+    /// Order of admission (preemption takes the latest first).
+    pub admitted_at: u64,
+}
+
+impl Sequence {
+    /// Tokens generated so far.
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Positions still to compute before the next token can be sampled.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Sends `event` to the client (a client that went away is not an error).
+    pub fn emit(&self, event: Event) {
+        if let Some(tx) = &self.events {
+            let _ = tx.send(event);
+        }
+    }
+
+    /// Appends a sampled token; returns how the request ends if it does.
+    pub fn push_token(&mut self, token: u32) -> Option<FinishReason> {
+        if self.stop_tokens.contains(&token) {
+            return Some(FinishReason::Stop);
+        }
+        self.tokens.push(token);
+        self.emit(Event::Token(token));
+        (self.generated() >= self.max_tokens).then_some(FinishReason::Length)
+    }
+
+    /// Sends the final `Finished` event.
+    pub fn finish(&self, reason: FinishReason) {
+        self.emit(Event::Finished {
+            reason,
+            prompt_tokens: self.prompt_len,
+            generated: self.generated(),
+        });
+    }
+
+    /// Sends the final `Error` event.
+    pub fn fail(&self, error: RequestError) {
+        self.emit(Event::Error(error));
+    }
+}

@@ -1,0 +1,225 @@
+//! The unified node: one pool, prefill and decode in the same batches. The
+//! decode node reuses its step loop for its decodes and recomputes.
+
+use crossbeam_channel::Receiver;
+use kvsan_sanitizer::Owner;
+
+use crate::hooks::RequestEvent;
+use crate::node::Command;
+use crate::node::admission::{self, PoolLimit};
+use crate::node::core::{ChunkOutcome, NodeCore, Planned};
+use crate::node::sequence::Sequence;
+use crate::request::{ErrorKind, Request, RequestError};
+use crate::sampler::Sampler;
+use crate::scheduler::Scheduler;
+
+/// A fresh sequence for `request` (not yet admitted).
+pub(crate) fn new_sequence(
+    owner: Owner,
+    request: Request,
+    events: Option<crossbeam_channel::Sender<crate::request::Event>>,
+) -> Result<Sequence, RequestError> {
+    let sampler = Sampler::new(request.sampling)
+        .map_err(|e| RequestError::new(ErrorKind::InvalidRequest, e.to_string()))?;
+    Ok(Sequence {
+        owner,
+        prompt_len: request.prompt.len(),
+        tokens: request.prompt,
+        max_tokens: request.max_tokens,
+        stop_tokens: request.stop_tokens,
+        sampler,
+        table: Vec::new(),
+        computed: 0,
+        events,
+        admitted_at: 0,
+    })
+}
+
+/// Ends `seq` with `error`: frees its pages, reports the terminal event.
+pub(crate) fn fail(core: &mut NodeCore, mut seq: Sequence, error: RequestError) {
+    core.release(&mut seq);
+    let _ = core.event(seq.owner, RequestEvent::Aborted);
+    tracing::info!(node = %core.name, request = seq.owner.request.0, tenant = seq.owner.tenant.0, kind = error.kind.name(), "request failed: {}", error.message);
+    seq.fail(error);
+}
+
+/// How a sequence leaves the running batch after a step.
+enum End {
+    Finished(crate::request::FinishReason),
+    Failed(RequestError),
+}
+
+/// Applies a step's outcomes: new tokens, finished and refused sequences.
+/// `plan` indexes `sched.running`.
+pub(crate) fn apply_outcomes(
+    core: &mut NodeCore,
+    sched: &mut Scheduler,
+    plan: &[Planned],
+    outcomes: Vec<ChunkOutcome>,
+) {
+    let mut ended: Vec<(usize, End)> = Vec::new();
+    for (p, outcome) in plan.iter().zip(outcomes) {
+        let seq = &mut sched.running[p.seq];
+        match outcome {
+            ChunkOutcome::Done(None) => {}
+            ChunkOutcome::Done(Some(token)) => {
+                if seq.generated() == 0
+                    && let Err(e) = core.event(seq.owner, RequestEvent::Decoding)
+                {
+                    ended.push((p.seq, End::Failed(e)));
+                    continue;
+                }
+                if let Some(reason) = seq.push_token(token) {
+                    ended.push((p.seq, End::Finished(reason)));
+                }
+            }
+            ChunkOutcome::Refused(e) => ended.push((p.seq, End::Failed(e))),
+        }
+    }
+    ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+    for (i, end) in ended {
+        let mut seq = sched.running.remove(i);
+        match end {
+            End::Finished(reason) => {
+                core.release(&mut seq);
+                if let Err(e) = core.event(seq.owner, RequestEvent::Finished) {
+                    // A page leak or lifecycle violation found at the end.
+                    seq.fail(e);
+                } else {
+                    seq.finish(reason);
+                }
+            }
+            End::Failed(e) => fail(core, seq, e),
+        }
+    }
+}
+
+/// Runs one scheduled step; false when there was nothing to run.
+pub(crate) fn step(core: &mut NodeCore, sched: &mut Scheduler) -> bool {
+    let (plan, failed) = sched.plan(core);
+    for (seq, e) in failed {
+        fail(core, seq, e);
+    }
+    if plan.is_empty() {
+        return false;
+    }
+    let outcomes = core.run(&mut sched.running, &plan);
+    apply_outcomes(core, sched, &plan, outcomes);
+    true
+}
+
+/// Cancels request `id` wherever it is.
+pub(crate) fn cancel(
+    core: &mut NodeCore,
+    sched: &mut Scheduler,
+    id: kvsan_sanitizer::RequestId,
+) -> bool {
+    match sched.take(id) {
+        Some(seq) => {
+            fail(
+                core,
+                seq,
+                RequestError::new(ErrorKind::Cancelled, "cancelled by the client"),
+            );
+            true
+        }
+        None => false,
+    }
+}
+
+/// Fills in the live counters.
+pub(crate) fn stats(core: &NodeCore, sched: &Scheduler) -> crate::node::NodeStats {
+    let mut s = core.stats;
+    s.free_pages = core.pool.free_pages();
+    s.running = sched.running.len();
+    s.waiting = sched.waiting.len();
+    s
+}
+
+/// The unified node's loop.
+pub(crate) fn run(mut core: NodeCore, mut sched: Scheduler, context: usize, rx: Receiver<Command>) {
+    loop {
+        let first = if sched.is_idle() {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return,
+            }
+        } else {
+            None
+        };
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
+            match cmd {
+                Command::Submit {
+                    owner,
+                    request,
+                    events,
+                } => submit(&mut core, &mut sched, context, owner, request, events),
+                Command::Cancel(id) => {
+                    cancel(&mut core, &mut sched, id);
+                }
+                Command::Stats(tx) => {
+                    let _ = tx.send(stats(&core, &sched));
+                }
+                Command::Shutdown => {
+                    shutdown(&mut core, &mut sched);
+                    return;
+                }
+                Command::AttachPrefill { .. } | Command::FromPrefill { .. } => {
+                    tracing::warn!(node = %core.name, "a unified node has no prefill link; message dropped");
+                }
+            }
+        }
+        step(&mut core, &mut sched);
+    }
+}
+
+/// Fails every request still on the node.
+pub(crate) fn shutdown(core: &mut NodeCore, sched: &mut Scheduler) {
+    let all: Vec<Sequence> = sched
+        .running
+        .drain(..)
+        .chain(sched.waiting.drain(..))
+        .collect();
+    for seq in all {
+        fail(
+            core,
+            seq,
+            RequestError::new(ErrorKind::Internal, "the engine is shutting down"),
+        );
+    }
+}
+
+fn submit(
+    core: &mut NodeCore,
+    sched: &mut Scheduler,
+    context: usize,
+    owner: Owner,
+    request: Request,
+    events: crossbeam_channel::Sender<crate::request::Event>,
+) {
+    let limits = [PoolLimit {
+        node: &core.name,
+        tokens: core.capacity_tokens(),
+    }];
+    let checked = admission::check(&request, &core.model, context, &limits);
+    let seq = checked.and_then(|()| new_sequence(owner, request, Some(events.clone())));
+    match seq {
+        Ok(seq) => {
+            let _ = core.event(owner, RequestEvent::Queued);
+            sched.waiting.push_back(seq);
+        }
+        Err(e) => {
+            let event = if e.kind == ErrorKind::Rejected {
+                RequestEvent::Rejected
+            } else {
+                RequestEvent::Aborted
+            };
+            let _ = core.hooks.request_event(owner, event);
+            tracing::info!(node = %core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
+            let _ = events.send(crate::request::Event::Error(e));
+        }
+    }
+}
