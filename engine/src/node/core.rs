@@ -154,7 +154,9 @@ impl NodeCore {
 
     /// Returns every page of `seq` to the pool.
     pub fn release(&mut self, seq: &mut Sequence) {
-        for page in seq.table.drain(..) {
+        // Last page first: the free list is a stack, so the next request
+        // gets these pages back in their original order.
+        for page in seq.table.drain(..).rev() {
             // A refused free (the sanitizer's double-free/foreign-free) is
             // reported by the hook; the request is ending either way.
             let _ = self.hooks.free(self.pool_id, seq.owner, page, self.step);
