@@ -58,10 +58,32 @@ impl Default for EngineConfig {
             decode_pool_tokens: None,
             allow_pool_smaller_than_context: false,
             scheduler: SchedulerConfig::default(),
-            check: AttentionCheck::Unchecked,
-            hooks: Hooks::none(),
+            check: default_check(),
+            hooks: default_hooks(),
         }
     }
+}
+
+/// Release builds: plain kernels. Debug-build mode (feature `sanitize`):
+/// the kernels that check every `PageRef`'s generation.
+const fn default_check() -> AttentionCheck {
+    if cfg!(feature = "sanitize") {
+        AttentionCheck::Generations
+    } else {
+        AttentionCheck::Unchecked
+    }
+}
+
+/// The process's hook target ([`Hooks::from_environment`]). A bad
+/// `KVSAN_OPTIONS` cannot fail `Default`: it is reported loudly and the
+/// engine runs without hooks (callers that must refuse to start call
+/// `Hooks::from_environment` themselves).
+fn default_hooks() -> Hooks {
+    Hooks::from_environment().unwrap_or_else(|e| {
+        eprintln!("kvsan: not attached: {e}");
+        tracing::error!("kvsan: not attached: {e}");
+        Hooks::none()
+    })
 }
 
 impl EngineConfig {

@@ -275,6 +275,23 @@ pub enum EngineError {
         what: String,
     },
 
+    /// The in-process sanitizer could not be set up (debug-build mode): a
+    /// bad `KVSAN_OPTIONS` key, value or item, or a log file that cannot be
+    /// opened; the source names which.
+    #[error("kvsan sanitizer: {source}")]
+    Sanitizer {
+        /// What the sanitizer refused.
+        #[source]
+        source: kvsan_sanitizer::SanitizerError,
+    },
+
+    /// A C hook table (exported by a preloaded library) was not attached.
+    #[error("kvsan hook table rejected: {what}")]
+    HookTable {
+        /// What is wrong with it, with the value and what the engine needs.
+        what: String,
+    },
+
     /// A node's pool cannot hold one full-context request.
     #[error(
         "the {node} node's KV pool of {pool_tokens} tokens cannot hold one request of the full {context}-token context; give a larger pool or allow it (--allow-pool-smaller-than-context), and requests that do not fit are then rejected"

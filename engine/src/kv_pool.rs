@@ -30,7 +30,16 @@ pub struct KvPool {
     generations: Vec<Generation>,
     free: VecDeque<PageId>,
     is_free: Vec<bool>,
+    /// Freed pages held back, oldest first.
+    quarantine: VecDeque<PageId>,
+    quarantine_cap: usize,
 }
+
+/// The f16 bit pattern freed pages are poisoned with: a quiet NaN whose
+/// payload spells `0x5A` (the CUDA poison kernel's `KVSAN_POISON_F16`), so a
+/// dump tells poison from a NaN arithmetic produced. Attention over a
+/// poisoned slot outputs NaN.
+pub const POISON_F16_BITS: u16 = 0x7E5A;
 
 impl KvPool {
     /// A pool of `n_pages` pages of `geometry`.
@@ -62,6 +71,8 @@ impl KvPool {
             generations: vec![Generation(0); n_pages],
             free: (0..n_pages as u32).rev().map(PageId).collect(),
             is_free: vec![true; n_pages],
+            quarantine: VecDeque::new(),
+            quarantine_cap: 0,
         })
     }
 
@@ -77,10 +88,59 @@ impl KvPool {
         self.generations.len()
     }
 
-    /// Pages on the free list.
+    /// Pages an allocation can take: the free list and the quarantine.
     #[must_use]
     pub fn free_pages(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.quarantine.len()
+    }
+
+    /// Freed pages held in quarantine now (counted in [`KvPool::free_pages`]).
+    #[must_use]
+    pub fn quarantined_pages(&self) -> usize {
+        self.quarantine.len()
+    }
+
+    /// Holds up to `pages` freed pages back (FIFO) before the free list hands
+    /// them out again; 0 turns the quarantine off. Pages beyond a smaller
+    /// limit go to the free list, oldest first.
+    pub fn set_quarantine(&mut self, pages: usize) {
+        self.quarantine_cap = pages;
+        self.trim_quarantine();
+    }
+
+    /// Moves every quarantined page to the free list, oldest first.
+    pub fn drain_quarantine(&mut self) {
+        self.free.extend(self.quarantine.drain(..));
+    }
+
+    fn trim_quarantine(&mut self) {
+        while self.quarantine.len() > self.quarantine_cap {
+            if let Some(p) = self.quarantine.pop_front() {
+                self.free.push_back(p);
+            }
+        }
+    }
+
+    /// Fills every slot of every layer of `page` (K and V) with
+    /// [`POISON_F16_BITS`].
+    ///
+    /// # Panics
+    /// If `page` is outside the pool.
+    pub fn poison_page(&mut self, page: PageId) {
+        let n = self.geometry.page_elems();
+        let at = page.0 as usize * n;
+        self.data[at..at + n].fill(f16::from_bits(POISON_F16_BITS));
+    }
+
+    /// The elements of `page` (every layer, K and V).
+    ///
+    /// # Panics
+    /// If `page` is outside the pool.
+    #[must_use]
+    pub fn page_data(&self, page: PageId) -> &[f16] {
+        let n = self.geometry.page_elems();
+        let at = page.0 as usize * n;
+        &self.data[at..at + n]
     }
 
     /// Token slots per page.
@@ -101,7 +161,8 @@ impl KvPool {
         })
     }
 
-    /// Returns a page to the free list, contents untouched.
+    /// Returns a page to the pool, contents untouched: into the quarantine
+    /// when one is set, else to the back of the free list.
     ///
     /// # Errors
     /// [`EngineError::PoolBadFree`] when `page` is out of range, its generation
@@ -117,7 +178,12 @@ impl KvPool {
             });
         }
         self.is_free[idx] = true;
-        self.free.push_back(page.page);
+        if self.quarantine_cap == 0 {
+            self.free.push_back(page.page);
+        } else {
+            self.quarantine.push_back(page.page);
+            self.trim_quarantine();
+        }
         Ok(())
     }
 

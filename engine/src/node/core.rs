@@ -91,7 +91,8 @@ impl NodeCore {
         check: AttentionCheck,
     ) -> Result<NodeCore, crate::EngineError> {
         let geometry = model.kv_geometry(page_slots);
-        let pool = KvPool::new(geometry, n_pages)?;
+        let mut pool = KvPool::new(geometry, n_pages)?;
+        pool.set_quarantine(hooks.quarantine_pages() as usize);
         let shadow = PoolGeometry {
             pages: n_pages as u32,
             page_slots: page_slots as u32,
@@ -160,8 +161,10 @@ impl NodeCore {
             // A refused free (the sanitizer's double-free/foreign-free) is
             // reported by the hook; the request is ending either way.
             let _ = self.hooks.free(self.pool_id, seq.owner, page, self.step);
-            if let Err(e) = self.pool.free(page) {
-                tracing::error!(node = %self.name, request = seq.owner.request.0, "{e}");
+            match self.pool.free(page) {
+                Ok(()) if self.hooks.poison() => self.pool.poison_page(page.page),
+                Ok(()) => {}
+                Err(e) => tracing::error!(node = %self.name, request = seq.owner.request.0, "{e}"),
             }
         }
         seq.computed = 0;

@@ -1,0 +1,385 @@
+//! The one dispatch point between the engine and a sanitizer.
+//!
+//! The engine calls a hook at every KV page event (DESIGN.md's table):
+//!
+//! | moment                                   | hook              |
+//! | ---------------------------------------- | ----------------- |
+//! | pool created                             | `pool_register`   |
+//! | request queued/admitted/…/finished       | `request_event`   |
+//! | page taken from the free list            | `alloc`           |
+//! | KV computed into slots                   | `write`           |
+//! | before attention reads a block table     | `read`            |
+//! | prefill ships KV                         | `transfer_send`   |
+//! | bytes land on decode                     | `transfer_recv`   |
+//! | decode starts using the request's KV     | `transfer_commit` |
+//! | page returned                            | `free`            |
+//!
+//! [`Hooks`] holds the target chosen once at start-up
+//! ([`Hooks::from_environment`]):
+//!
+//! ```text
+//!  feature `sanitize`  ──▶ in-process kvsan_sanitizer::Sanitizer (KVSAN_OPTIONS)   sanitizer.rs
+//!  otherwise           ──▶ dlsym(RTLD_DEFAULT, "kvsan_hook_table_v1") found?      ctable.rs
+//!                            yes ──▶ the C hook table (LD_PRELOAD shim)
+//!                            no  ──▶ none
+//! ```
+//!
+//! With none (a release build without a sanitizer), every hook is one
+//! predictable branch on an `Option` returning [`Verdict::Continue`]; the
+//! engine-side settings a target asks for (poison freed pages, quarantine
+//! length) are read once when the target is attached, not per hook.
+
+pub mod ctable;
+pub mod sanitizer;
+
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+
+pub use kvsan_sanitizer::{Manifest, NodeRole, PoolGeometry, RequestEvent, Verdict};
+use kvsan_sanitizer::{Owner, PageRef, PoolId};
+
+pub use ctable::CTableHooks;
+pub use sanitizer::SanitizerHooks;
+
+use crate::EngineError;
+
+/// The pool id hooks see for a pool the target refused to register: no
+/// target knows it, so every later hook on that pool is an error the target
+/// reports, never a check against another pool's shadow.
+pub const UNREGISTERED_POOL: PoolId = PoolId(u32::MAX);
+
+/// A hook target: something that checks the engine's KV page events.
+///
+/// Every method may be called from several threads at once. A
+/// [`Verdict::Abort`] tells the engine to abort the request the event
+/// concerns (and only that request).
+pub trait KvHooks: Send + Sync {
+    /// A pool was created; returns the id the target knows it by, or `None`
+    /// if the target refused it (it says why in its own log).
+    fn pool_register(&self, geometry: &PoolGeometry) -> Option<PoolId>;
+    /// A request entered `event`'s state.
+    fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict;
+    /// `page` (at its new generation) was taken from the free list for `owner`.
+    fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict;
+    /// `owner` returns `page` to the pool.
+    fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict;
+    /// `owner` computes KV into `slots` × `layers` of `page`.
+    fn write(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        slots: Range<u32>,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Verdict;
+    /// Attention of `owner` is about to read the first `tokens` positions of
+    /// `table` for `layers`.
+    fn read(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        table: &[PageRef],
+        tokens: usize,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Verdict;
+    /// The sender ships what `manifest` describes.
+    fn transfer_send(&self, pool: PoolId, manifest: &Manifest) -> Verdict;
+    /// The bytes `manifest` describes landed in the receiver's pages.
+    fn transfer_recv(&self, pool: PoolId, manifest: &Manifest) -> Verdict;
+    /// The receiver starts using the first `committed_tokens` positions of `table`.
+    fn transfer_commit(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        table: &[PageRef],
+        committed_tokens: usize,
+    ) -> Verdict;
+
+    /// What the target asks of the engine's pools (read once at attach time).
+    fn settings(&self) -> HookSettings {
+        HookSettings::default()
+    }
+
+    /// Writes the target's end-of-run summary (`kvsan: N violations`), if it
+    /// keeps one.
+    fn print_summary(&self) {}
+}
+
+/// What a target asks the engine to do with freed pages — the checks only
+/// the engine can add, because only it touches KV bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HookSettings {
+    /// Fill freed pages with the poison NaN pattern
+    /// ([`crate::kv_pool::POISON_F16_BITS`]).
+    pub poison: bool,
+    /// Freed pages held back (FIFO) before the free list hands them out
+    /// again; see [`crate::kv_pool::KvPool::set_quarantine`].
+    pub quarantine_pages: u32,
+}
+
+/// Which target [`Hooks`] dispatches to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HookTarget {
+    /// No sanitizer: every hook continues.
+    None,
+    /// The in-process sanitizer (debug-build mode, feature `sanitize`).
+    InProcess,
+    /// A C hook table found at start-up (the LD_PRELOAD shim).
+    CTable,
+    /// Another Rust implementation of [`KvHooks`] (tests, embedders).
+    Custom,
+}
+
+impl HookTarget {
+    /// Lower-case name for logs.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            HookTarget::None => "none",
+            HookTarget::InProcess => "in-process sanitizer",
+            HookTarget::CTable => "C hook table",
+            HookTarget::Custom => "custom",
+        }
+    }
+}
+
+/// The hook target chosen at start-up, or none.
+#[derive(Clone)]
+pub struct Hooks {
+    target: Option<Arc<dyn KvHooks>>,
+    kind: HookTarget,
+    settings: HookSettings,
+}
+
+impl Default for Hooks {
+    fn default() -> Self {
+        Hooks::none()
+    }
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Hooks({}, {:?})", self.kind.name(), self.settings)
+    }
+}
+
+macro_rules! dispatch {
+    ($self:ident, $method:ident ( $($arg:expr),* )) => {
+        match &$self.target {
+            None => Verdict::Continue,
+            Some(t) => t.$method($($arg),*),
+        }
+    };
+}
+
+/// The process's choice, made by the first successful
+/// [`Hooks::from_environment`].
+static CHOSEN: OnceLock<Hooks> = OnceLock::new();
+
+impl Hooks {
+    /// No target: every hook continues.
+    #[must_use]
+    pub fn none() -> Hooks {
+        Hooks {
+            target: None,
+            kind: HookTarget::None,
+            settings: HookSettings::default(),
+        }
+    }
+
+    /// Calls go to `target` (a custom implementation).
+    #[must_use]
+    pub fn new(target: Arc<dyn KvHooks>) -> Hooks {
+        Hooks::with_kind(target, HookTarget::Custom)
+    }
+
+    fn with_kind(target: Arc<dyn KvHooks>, kind: HookTarget) -> Hooks {
+        let settings = target.settings();
+        Hooks {
+            target: Some(target),
+            kind,
+            settings,
+        }
+    }
+
+    /// Calls go to the in-process `sanitizer`; its `poison` and
+    /// `quarantine_pages` options become the engine's pool settings.
+    #[must_use]
+    pub fn sanitizer(sanitizer: Arc<kvsan_sanitizer::Sanitizer>) -> Hooks {
+        Hooks::with_kind(
+            Arc::new(SanitizerHooks::new(sanitizer)),
+            HookTarget::InProcess,
+        )
+    }
+
+    /// Calls go through a validated C hook table.
+    #[must_use]
+    pub fn c_table(table: CTableHooks) -> Hooks {
+        Hooks::with_kind(Arc::new(table), HookTarget::CTable)
+    }
+
+    /// The target for this process, chosen once (later calls return the
+    /// same choice) and logged once:
+    ///
+    /// - with feature `sanitize`: the in-process sanitizer configured by
+    ///   `KVSAN_OPTIONS` (on by default);
+    /// - otherwise: the C hook table exported as
+    ///   [`ctable::HOOK_TABLE_SYMBOL`] by a preloaded library, if there is
+    ///   one and it passes validation; else none.
+    ///
+    /// # Errors
+    /// [`EngineError::Sanitizer`] for a bad `KVSAN_OPTIONS` (naming the key
+    /// or item) or a report log file that cannot be opened (feature
+    /// `sanitize` only). A failure is not cached: the next call tries again.
+    pub fn from_environment() -> Result<Hooks, EngineError> {
+        if let Some(chosen) = CHOSEN.get() {
+            return Ok(chosen.clone());
+        }
+        let hooks = Hooks::choose()?;
+        let chosen = CHOSEN.get_or_init(|| {
+            tracing::info!(
+                target = hooks.kind.name(),
+                poison = hooks.settings.poison,
+                quarantine_pages = hooks.settings.quarantine_pages,
+                "kvsan hooks chosen"
+            );
+            hooks
+        });
+        Ok(chosen.clone())
+    }
+
+    #[cfg(feature = "sanitize")]
+    fn choose() -> Result<Hooks, EngineError> {
+        let sanitizer = kvsan_sanitizer::Sanitizer::from_env()
+            .map_err(|source| EngineError::Sanitizer { source })?;
+        Ok(Hooks::sanitizer(Arc::new(sanitizer)))
+    }
+
+    #[cfg(not(feature = "sanitize"))]
+    #[allow(clippy::unnecessary_wraps)]
+    fn choose() -> Result<Hooks, EngineError> {
+        Ok(CTableHooks::from_symbol(ctable::HOOK_TABLE_SYMBOL)
+            .map_or_else(Hooks::none, Hooks::c_table))
+    }
+
+    /// Whether a target is attached.
+    #[must_use]
+    pub fn is_attached(&self) -> bool {
+        self.target.is_some()
+    }
+
+    /// Which kind of target is attached.
+    #[must_use]
+    pub fn target(&self) -> HookTarget {
+        self.kind
+    }
+
+    /// Whether freed pages are to be poison-filled.
+    #[must_use]
+    pub fn poison(&self) -> bool {
+        self.settings.poison
+    }
+
+    /// Freed pages to hold in quarantine before reuse (0: none).
+    #[must_use]
+    pub fn quarantine_pages(&self) -> u32 {
+        self.settings.quarantine_pages
+    }
+
+    /// Writes the target's end-of-run summary, if it keeps one.
+    pub fn print_summary(&self) {
+        if let Some(t) = &self.target {
+            t.print_summary();
+        }
+    }
+
+    /// See [`KvHooks::pool_register`]. Without a target, `fallback` (pool ids
+    /// count from 0 in the caller); a target that refuses the pool gives
+    /// [`UNREGISTERED_POOL`].
+    pub fn pool_register(&self, geometry: &PoolGeometry, fallback: PoolId) -> PoolId {
+        match &self.target {
+            None => fallback,
+            Some(t) => t.pool_register(geometry).unwrap_or_else(|| {
+                tracing::error!(
+                    node = %geometry.node,
+                    target = self.kind.name(),
+                    "kvsan: the hook target refused to register the pool; its pages go unchecked"
+                );
+                UNREGISTERED_POOL
+            }),
+        }
+    }
+
+    /// See [`KvHooks::request_event`].
+    #[inline]
+    pub fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict {
+        dispatch!(self, request_event(owner, event))
+    }
+
+    /// See [`KvHooks::alloc`].
+    #[inline]
+    pub fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {
+        dispatch!(self, alloc(pool, owner, page, step))
+    }
+
+    /// See [`KvHooks::free`].
+    #[inline]
+    pub fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {
+        dispatch!(self, free(pool, owner, page, step))
+    }
+
+    /// See [`KvHooks::write`].
+    #[inline]
+    pub fn write(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        slots: Range<u32>,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Verdict {
+        dispatch!(self, write(pool, owner, page, slots, layers, step))
+    }
+
+    /// See [`KvHooks::read`].
+    #[inline]
+    pub fn read(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        table: &[PageRef],
+        tokens: usize,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Verdict {
+        dispatch!(self, read(pool, owner, table, tokens, layers, step))
+    }
+
+    /// See [`KvHooks::transfer_send`].
+    #[inline]
+    pub fn transfer_send(&self, pool: PoolId, manifest: &Manifest) -> Verdict {
+        dispatch!(self, transfer_send(pool, manifest))
+    }
+
+    /// See [`KvHooks::transfer_recv`].
+    #[inline]
+    pub fn transfer_recv(&self, pool: PoolId, manifest: &Manifest) -> Verdict {
+        dispatch!(self, transfer_recv(pool, manifest))
+    }
+
+    /// See [`KvHooks::transfer_commit`].
+    #[inline]
+    pub fn transfer_commit(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        table: &[PageRef],
+        committed_tokens: usize,
+    ) -> Verdict {
+        dispatch!(self, transfer_commit(pool, owner, table, committed_tokens))
+    }
+}

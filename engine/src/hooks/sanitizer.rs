@@ -1,0 +1,186 @@
+//! The in-process target: [`KvHooks`] over a linked-in
+//! [`kvsan_sanitizer::Sanitizer`] (debug-build mode).
+//!
+//! The sanitizer's hooks return `Result<Verdict, SanitizerError>`: an error is
+//! API misuse by the engine (an unknown pool, a page or slot out of range), not
+//! a violation by a request. The adapter logs it, counts it in a sticky
+//! counter ([`SanitizerHooks::errors`]) and lets the request go on — the
+//! engine's own checks (the pool's free-list bookkeeping, the checked kernel)
+//! still stand.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvsan_sanitizer::{
+    Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Sanitizer, SanitizerError,
+    Verdict,
+};
+
+use super::{HookSettings, KvHooks};
+
+/// Errors logged in full before the adapter only counts them.
+const LOGGED_ERRORS: u64 = 16;
+
+/// [`KvHooks`] calling a [`Sanitizer`] in this process.
+#[derive(Debug)]
+pub struct SanitizerHooks {
+    sanitizer: Arc<Sanitizer>,
+    errors: AtomicU64,
+}
+
+impl SanitizerHooks {
+    /// Hooks that call `sanitizer`.
+    #[must_use]
+    pub fn new(sanitizer: Arc<Sanitizer>) -> SanitizerHooks {
+        SanitizerHooks {
+            sanitizer,
+            errors: AtomicU64::new(0),
+        }
+    }
+
+    /// The sanitizer called.
+    #[must_use]
+    pub fn sanitizer(&self) -> &Arc<Sanitizer> {
+        &self.sanitizer
+    }
+
+    /// Hook calls the sanitizer refused as API misuse since start.
+    #[must_use]
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
+
+    #[inline]
+    fn verdict(&self, hook: &'static str, result: Result<Verdict, SanitizerError>) -> Verdict {
+        match result {
+            Ok(v) => v,
+            Err(e) => self.misuse(hook, &e),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn misuse(&self, hook: &'static str, error: &dyn std::fmt::Display) -> Verdict {
+        let n = self.errors.fetch_add(1, Ordering::Relaxed);
+        if n < LOGGED_ERRORS {
+            tracing::error!(hook, "kvsan: the sanitizer refused a hook call: {error}");
+        } else if n == LOGGED_ERRORS {
+            tracing::error!("kvsan: further hook errors are only counted");
+        }
+        Verdict::Continue
+    }
+}
+
+impl KvHooks for SanitizerHooks {
+    fn pool_register(&self, geometry: &PoolGeometry) -> Option<PoolId> {
+        match self.sanitizer.pool_register(geometry.clone()) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                let _ = self.misuse("pool_register", &e);
+                None
+            }
+        }
+    }
+
+    fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict {
+        self.sanitizer.request_event(owner, event)
+    }
+
+    fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {
+        match self.sanitizer.alloc(pool, page.page, owner, step) {
+            Ok((verdict, generation)) => {
+                if generation != page.generation && verdict.is_continue() {
+                    // The shadow and the pool count allocations of the page
+                    // differently: every later check of it would be wrong.
+                    let _ = self.misuse(
+                        "alloc",
+                        &format_args!(
+                            "shadow generation {} differs from the engine's {} for {pool} {}",
+                            generation.0, page.generation.0, page.page
+                        ),
+                    );
+                }
+                verdict
+            }
+            Err(e) => self.misuse("alloc", &e),
+        }
+    }
+
+    fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {
+        self.verdict("free", self.sanitizer.free(pool, owner, page, step))
+    }
+
+    #[inline]
+    fn write(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        slots: Range<u32>,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Verdict {
+        self.verdict(
+            "write",
+            self.sanitizer.write(pool, owner, page, slots, layers, step),
+        )
+    }
+
+    #[inline]
+    fn read(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        table: &[PageRef],
+        tokens: usize,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Verdict {
+        self.verdict(
+            "read",
+            self.sanitizer
+                .read(pool, owner, table, tokens, layers, step),
+        )
+    }
+
+    fn transfer_send(&self, pool: PoolId, manifest: &Manifest) -> Verdict {
+        self.verdict(
+            "transfer_send",
+            self.sanitizer.transfer_send(pool, manifest),
+        )
+    }
+
+    fn transfer_recv(&self, pool: PoolId, manifest: &Manifest) -> Verdict {
+        self.verdict(
+            "transfer_recv",
+            self.sanitizer.transfer_recv(pool, manifest),
+        )
+    }
+
+    fn transfer_commit(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        table: &[PageRef],
+        committed_tokens: usize,
+    ) -> Verdict {
+        self.verdict(
+            "transfer_commit",
+            self.sanitizer
+                .transfer_commit(pool, owner, table, committed_tokens),
+        )
+    }
+
+    fn settings(&self) -> HookSettings {
+        let options = self.sanitizer.options();
+        HookSettings {
+            poison: options.poison,
+            quarantine_pages: options.quarantine_pages,
+        }
+    }
+
+    fn print_summary(&self) {
+        self.sanitizer.print_summary();
+    }
+}
