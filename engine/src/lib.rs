@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod faults;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;

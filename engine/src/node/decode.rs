@@ -7,6 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use crossbeam_channel::{Receiver, Sender};
 use kvsan_sanitizer::{Owner, RequestId};
 
+use crate::faults::{self, Fault};
 use crate::hooks::RequestEvent;
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
@@ -19,6 +20,9 @@ use crate::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
     kv_payload_len, kv_slices,
 };
+
+/// The token a rejected prompt is replaced by under `reject-as-placeholder`.
+const PLACEHOLDER_TOKEN: u32 = 0;
 
 /// The current link to a prefill node.
 struct PrefillPeer {
@@ -176,6 +180,7 @@ impl DecodeNode {
         ];
         let context = self.context.min(info.context_length);
         let checked = admission::check(&request, &self.core.model, context, &limits);
+        let request_copy = faults::active(Fault::RejectAsPlaceholder).then(|| request.clone());
         match checked.and_then(|()| new_sequence(owner, request, Some(events.clone()))) {
             Ok(seq) => {
                 let _ = self.core.event(owner, RequestEvent::Queued);
@@ -189,8 +194,34 @@ impl DecodeNode {
                 };
                 let _ = self.core.hooks.request_event(owner, event);
                 tracing::info!(node = %self.core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
+                let over_prefill = e.rejection.as_ref().is_some_and(|r| r.node == "prefill");
+                if over_prefill && let Some(request) = request_copy {
+                    self.admit_rejected_as_placeholder(owner, request, events);
+                    return;
+                }
                 let _ = events.send(Event::Error(e));
             }
+        }
+    }
+
+    /// Fault `reject-as-placeholder` (the incident): the rejected request's
+    /// prompt becomes a one-token placeholder so it can drain through the
+    /// batching machinery, and this disaggregated admission path, which
+    /// checks "finished" rather than "rejected", lets it through: pages are
+    /// reserved for the whole prompt, prefill computes one token, and decode
+    /// commits the whole reservation.
+    fn admit_rejected_as_placeholder(
+        &mut self,
+        owner: Owner,
+        request: Request,
+        events: Sender<Event>,
+    ) {
+        match new_sequence(owner, request, Some(events)) {
+            Ok(mut seq) => {
+                seq.placeholder = true;
+                self.reserve.push_back(seq);
+            }
+            Err(e) => tracing::error!(node = %self.core.name, "placeholder: {}", e.message),
         }
     }
 
@@ -234,7 +265,11 @@ impl DecodeNode {
             };
             let order = PrefillOrder {
                 owner: seq.owner,
-                prompt: seq.tokens[..seq.prompt_len].to_vec(),
+                prompt: if seq.placeholder {
+                    vec![PLACEHOLDER_TOKEN]
+                } else {
+                    seq.tokens[..seq.prompt_len].to_vec()
+                },
                 sampling: *seq.sampler.params(),
                 dst_pool: self.core.pool_id,
                 dst_pages: seq.table.clone(),

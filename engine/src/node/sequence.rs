@@ -30,6 +30,9 @@ pub(crate) struct Sequence {
     pub events: Option<Sender<Event>>,
     /// Order of admission (preemption takes the latest first).
     pub admitted_at: u64,
+    /// Fault `reject-as-placeholder`: the prompt was rejected and replaced
+    /// by a one-token placeholder that is sent to prefill instead.
+    pub placeholder: bool,
 }
 
 impl Sequence {

@@ -32,6 +32,7 @@ pub(crate) fn new_sequence(
         computed: 0,
         events,
         admitted_at: 0,
+        placeholder: false,
     })
 }
 

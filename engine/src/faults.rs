@@ -1,0 +1,134 @@
+//! Fault injection: named fail points inside the real engine code paths that
+//! re-create bug classes seen in production engines, so tests and the
+//! incident replay can show that without the sanitizer the bug leaks another
+//! request's data, and with it the request is aborted with a report.
+//!
+//! Fail points exist only in builds with the `faults` feature; without it
+//! [`active`] is a constant `false` and every fail point compiles away.
+//! Faults are chosen at run time: `KVSAN_FAULTS=name[,name]` (read once), or
+//! [`set`] (the CLI's `--inject name`).
+//!
+//! | fault | what the engine then does wrong |
+//! | --- | --- |
+//! | `reject-as-placeholder` | an oversize prompt is rejected into a one-token placeholder; the disaggregated admission checks "finished" instead of "rejected", so decode reserves pages for the whole prompt, prefill sends KV for one token, and decode reads its whole reservation |
+
+/// A fault this build can inject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The incident: an oversize prompt rejected into a one-token
+    /// placeholder is admitted by the disaggregated path anyway.
+    RejectAsPlaceholder,
+}
+
+impl Fault {
+    /// Every fault.
+    pub const ALL: [Fault; 1] = [Fault::RejectAsPlaceholder];
+
+    /// The stable name (`KVSAN_FAULTS`, `--inject`).
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::RejectAsPlaceholder => "reject-as-placeholder",
+        }
+    }
+
+    /// The fault named `name`.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Fault> {
+        Fault::ALL.into_iter().find(|f| f.name() == name)
+    }
+
+    fn bit(self) -> u32 {
+        1 << (self as u32)
+    }
+}
+
+/// Parses a comma-separated fault list.
+///
+/// # Errors
+/// A message naming the unknown fault and the known ones.
+pub fn parse(list: &str) -> Result<Vec<Fault>, String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|name| {
+            Fault::from_name(name).ok_or_else(|| {
+                let known: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+                format!("unknown fault '{name}' (known: {})", known.join(", "))
+            })
+        })
+        .collect()
+}
+
+#[cfg(feature = "faults")]
+mod state {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::Fault;
+
+    static ACTIVE: AtomicU32 = AtomicU32::new(0);
+    static FROM_ENV: OnceLock<()> = OnceLock::new();
+
+    fn init() {
+        FROM_ENV.get_or_init(|| {
+            if let Ok(list) = std::env::var("KVSAN_FAULTS") {
+                match super::parse(&list) {
+                    Ok(faults) => {
+                        for f in faults {
+                            ACTIVE.fetch_or(f.bit(), Ordering::Relaxed);
+                        }
+                    }
+                    Err(e) => tracing::error!("KVSAN_FAULTS: {e}; no fault injected"),
+                }
+            }
+        });
+    }
+
+    pub fn active(f: Fault) -> bool {
+        init();
+        ACTIVE.load(Ordering::Relaxed) & f.bit() != 0
+    }
+
+    pub fn set(faults: &[Fault]) {
+        init();
+        let bits = faults.iter().fold(0, |b, f| b | f.bit());
+        ACTIVE.store(bits, Ordering::Relaxed);
+    }
+}
+
+/// Whether fault `f` is injected (always `false` without the `faults` feature).
+#[inline]
+#[must_use]
+pub fn active(f: Fault) -> bool {
+    #[cfg(feature = "faults")]
+    {
+        state::active(f)
+    }
+    #[cfg(not(feature = "faults"))]
+    {
+        let _ = f;
+        false
+    }
+}
+
+/// Replaces the injected faults (after `KVSAN_FAULTS` was read).
+///
+/// # Errors
+/// Without the `faults` feature, a message saying the build has no fail points.
+pub fn set(faults: &[Fault]) -> Result<(), String> {
+    #[cfg(feature = "faults")]
+    {
+        state::set(faults);
+        Ok(())
+    }
+    #[cfg(not(feature = "faults"))]
+    {
+        if faults.is_empty() {
+            Ok(())
+        } else {
+            Err("this build has no fault injection (build with --features faults)".into())
+        }
+    }
+}
