@@ -23,12 +23,15 @@ fn model() -> Arc<Model> {
 }
 
 /// Prefill pool of 256 tokens, decode pool of 1,024: a 300-token prompt is
-/// over the prefill node's limit.
+/// over the prefill node's limit. No sanitizer, plain kernels — a release
+/// engine — whatever features this test binary was built with.
 fn config() -> EngineConfig {
     EngineConfig {
         prefill_pool_tokens: Some(256),
         decode_pool_tokens: Some(1024),
         allow_pool_smaller_than_context: true,
+        hooks: kvsan_engine::hooks::Hooks::none(),
+        check: kvsan_engine::model::AttentionCheck::Unchecked,
         ..EngineConfig::default()
     }
 }
@@ -92,4 +95,73 @@ fn without_the_fault_the_oversize_probe_is_rejected_and_noninterference_holds() 
             Some((256, "prefill"))
         );
     }
+}
+
+/// A report sink the test can read.
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn with_the_sanitizer_the_probe_is_aborted_and_the_others_finish() {
+    use kvsan_engine::hooks::Hooks;
+    use kvsan_sanitizer::{Options, Sanitizer, ViolationKind};
+
+    let _turn = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+    faults::set(&[Fault::RejectAsPlaceholder]).expect("faults build");
+    let sink = Sink::default();
+    let sanitizer = Arc::new(Sanitizer::with_writer(
+        Options::parse("report_format=both").expect("options"),
+        sink.clone(),
+    ));
+    let cfg = EngineConfig {
+        hooks: Hooks::sanitizer(sanitizer.clone()),
+        ..config()
+    };
+    let engine = Engine::disaggregated(model(), &cfg).expect("engine");
+    let victim: Vec<u32> = (0..200).map(|i| (i * 7 + 31) % 256).collect();
+    let v = engine.submit(request(1, victim, 8)).wait();
+    let probe: Vec<u32> = (0..300).map(|i| (i * 13 + 5) % 256).collect();
+    let bystander = engine.submit(request(3, vec![9; 40], 12));
+    let p = engine.submit(request(2, probe, 16)).wait();
+    let bystander = bystander.wait();
+    faults::set(&[]).expect("faults build");
+
+    assert_eq!(v.expect("the victim finishes").tokens.len(), 8);
+    assert_eq!(
+        bystander
+            .expect("an unrelated request finishes")
+            .tokens
+            .len(),
+        12
+    );
+    let err = p.expect_err("the probe must be aborted");
+    assert_eq!(err.kind, ErrorKind::Violation, "{}", err.message);
+    let (id, kind) = *err.violation.expect("violation details");
+    // The rejected request is caught at its first activity after rejection.
+    assert_eq!(kind, ViolationKind::TerminalRequestActivity.name());
+    assert!(err.message.contains(&id), "{}", err.message);
+    let report = String::from_utf8(sink.0.lock().expect("sink").clone()).expect("utf-8 report");
+    assert!(
+        report.contains("terminal-request-activity") && report.contains(&id),
+        "{report}"
+    );
+    assert_eq!(sanitizer.violation_count(), 1, "{report}");
+    let stats = engine.stats();
+    assert_eq!(
+        stats.front.free_pages, stats.front.total_pages,
+        "the aborted probe's pages were freed"
+    );
 }

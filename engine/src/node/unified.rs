@@ -39,7 +39,16 @@ pub(crate) fn new_sequence(
 /// Ends `seq` with `error`: frees its pages, reports the terminal event.
 pub(crate) fn fail(core: &mut NodeCore, mut seq: Sequence, error: RequestError) {
     core.release(&mut seq);
-    let _ = core.event(seq.owner, RequestEvent::Aborted);
+    // A request the sanitizer already holds terminal (it was caught acting
+    // after its rejection or abort) gets no further lifecycle event: that
+    // would only report the same breach again.
+    let already_terminal = error
+        .violation
+        .as_ref()
+        .is_some_and(|v| v.1 == kvsan_sanitizer::ViolationKind::TerminalRequestActivity.name());
+    if !already_terminal {
+        let _ = core.event(seq.owner, RequestEvent::Aborted);
+    }
     tracing::info!(node = %core.name, request = seq.owner.request.0, tenant = seq.owner.tenant.0, kind = error.kind.name(), "request failed: {}", error.message);
     seq.fail(error);
 }
