@@ -149,9 +149,13 @@ impl KvPool {
         self.geometry.page_slots
     }
 
-    /// Takes a page from the free list, advancing its generation.
+    /// Takes a page from the free list — or, when it is empty, the oldest
+    /// quarantined page — advancing its generation.
     pub fn alloc(&mut self) -> Option<PageRef> {
-        let page = self.free.pop_back()?;
+        let page = self
+            .free
+            .pop_back()
+            .or_else(|| self.quarantine.pop_front())?;
         self.is_free[page.0 as usize] = false;
         let g = &mut self.generations[page.0 as usize];
         *g = g.next();
@@ -162,7 +166,7 @@ impl KvPool {
     }
 
     /// Returns a page to the pool, contents untouched: into the quarantine
-    /// when one is set, else to the back of the free list.
+    /// when one is set, else onto the free list (handed out next).
     ///
     /// # Errors
     /// [`EngineError::PoolBadFree`] when `page` is out of range, its generation

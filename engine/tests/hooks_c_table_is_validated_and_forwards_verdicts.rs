@@ -1,0 +1,364 @@
+//! The C hook table path without a shim: tables built in this test, their
+//! functions forwarding to an in-process `Sanitizer` through the C types, are
+//! validated by `CTableHooks::from_raw` and then drive the same checks.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use kvsan_engine::hooks::ctable::{
+    CTableHooks, HOOK_TABLE_VERSION_MAJOR, KVSAN_FLAG_POISON, KVSAN_VERDICT_ABORT,
+    KVSAN_VERDICT_CONTINUE, KvsanHookTable, KvsanManifest, KvsanOwner, KvsanPageRef,
+    KvsanPoolGeometry, KvsanRange, KvsanVerdict, event_from_code, slice_or_empty,
+};
+use kvsan_engine::hooks::{HookTarget, Hooks, Verdict};
+use kvsan_sanitizer::{
+    Generation, NodeRole, Options, Owner, PageId, PageRef, PoolGeometry, PoolId, RequestEvent,
+    RequestId, Sanitizer, TenantId, ViolationKind,
+};
+
+/// # Safety
+/// `ctx` is the `Sanitizer` the table was built with.
+unsafe fn san<'a>(ctx: *mut c_void) -> &'a Sanitizer {
+    // SAFETY: every table of this test carries a pointer to a live Sanitizer.
+    unsafe { &*ctx.cast::<Sanitizer>() }
+}
+
+fn out(r: Result<Verdict, kvsan_sanitizer::SanitizerError>) -> KvsanVerdict {
+    r.map_or(KvsanVerdict::ERROR, KvsanVerdict::from)
+}
+
+unsafe extern "C" fn pool_register(
+    ctx: *mut c_void,
+    g: *const KvsanPoolGeometry,
+    pool_out: *mut u32,
+) -> KvsanVerdict {
+    // SAFETY: the engine passes a geometry borrowing its node name and a writable id.
+    let Some(geometry) = (unsafe { (*g).to_geometry() }) else {
+        return KvsanVerdict::ERROR;
+    };
+    // SAFETY: see `san`.
+    match unsafe { san(ctx) }.pool_register(geometry) {
+        Ok(id) => {
+            // SAFETY: the engine hands a writable u32.
+            unsafe { *pool_out = id.0 };
+            KvsanVerdict::CONTINUE
+        }
+        Err(_) => KvsanVerdict::ERROR,
+    }
+}
+
+unsafe extern "C" fn request_event(
+    ctx: *mut c_void,
+    owner: KvsanOwner,
+    event: u32,
+) -> KvsanVerdict {
+    let Some(event) = event_from_code(event) else {
+        return KvsanVerdict::ERROR;
+    };
+    // SAFETY: see `san`.
+    unsafe { san(ctx) }
+        .request_event(owner.into(), event)
+        .into()
+}
+
+unsafe extern "C" fn alloc(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    step: u64,
+) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    match unsafe { san(ctx) }.alloc(PoolId(pool), PageId(page.page), owner.into(), step) {
+        Ok((v, _)) => v.into(),
+        Err(_) => KvsanVerdict::ERROR,
+    }
+}
+
+unsafe extern "C" fn free(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    step: u64,
+) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.free(PoolId(pool), owner.into(), page.into(), step))
+}
+
+unsafe extern "C" fn write(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    slots: KvsanRange,
+    layers: KvsanRange,
+    step: u64,
+) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.write(
+        PoolId(pool),
+        owner.into(),
+        page.into(),
+        slots.into(),
+        layers.into(),
+        step,
+    ))
+}
+
+fn table_of(ptr: *const KvsanPageRef, len: usize) -> Option<Vec<PageRef>> {
+    // SAFETY: the engine passes its block table as pointer and length.
+    unsafe { slice_or_empty(ptr, len) }.map(|t| t.iter().map(|&p| p.into()).collect())
+}
+
+unsafe extern "C" fn read(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    table: *const KvsanPageRef,
+    len: usize,
+    tokens: u64,
+    layers: KvsanRange,
+    step: u64,
+) -> KvsanVerdict {
+    let Some(table) = table_of(table, len) else {
+        return KvsanVerdict::ERROR;
+    };
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.read(
+        PoolId(pool),
+        owner.into(),
+        &table,
+        tokens as usize,
+        layers.into(),
+        step,
+    ))
+}
+
+unsafe extern "C" fn transfer(
+    ctx: *mut c_void,
+    pool: u32,
+    m: *const KvsanManifest,
+) -> KvsanVerdict {
+    // SAFETY: the engine passes a manifest borrowing its block tables.
+    let Some(m) = (unsafe { (*m).to_manifest() }) else {
+        return KvsanVerdict::ERROR;
+    };
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.transfer_send(PoolId(pool), &m))
+}
+
+unsafe extern "C" fn commit(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    table: *const KvsanPageRef,
+    len: usize,
+    committed: u64,
+) -> KvsanVerdict {
+    let Some(table) = table_of(table, len) else {
+        return KvsanVerdict::ERROR;
+    };
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.transfer_commit(PoolId(pool), owner.into(), &table, committed as usize))
+}
+
+/// A version-1 table forwarding to `sanitizer`.
+fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
+    KvsanHookTable {
+        size: size_of::<KvsanHookTable>() as u32,
+        version_major: HOOK_TABLE_VERSION_MAJOR,
+        version_minor: 0,
+        flags: KVSAN_FLAG_POISON,
+        quarantine_pages: 3,
+        ctx: Arc::as_ptr(sanitizer).cast_mut().cast(),
+        pool_register: Some(pool_register),
+        request_event: Some(request_event),
+        alloc: Some(alloc),
+        free: Some(free),
+        write: Some(write),
+        read: Some(read),
+        transfer_send: Some(transfer),
+        transfer_recv: Some(transfer),
+        transfer_commit: Some(commit),
+    }
+}
+
+fn sanitizer() -> Arc<Sanitizer> {
+    Arc::new(Sanitizer::with_writer(Options::default(), std::io::sink()))
+}
+
+fn rejection(table: *const KvsanHookTable) -> String {
+    // SAFETY: `table` is null or points to a whole table of this test.
+    match unsafe { CTableHooks::from_raw(table) } {
+        Ok(_) => panic!("table accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_null_table_is_not_attached() {
+    assert!(rejection(std::ptr::null()).contains("null"));
+}
+
+#[test]
+fn a_table_smaller_than_the_engine_knows_is_not_attached() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.size = 24;
+    let e = rejection(&t);
+    assert!(e.contains("size is 24 bytes"), "{e}");
+    assert!(e.contains(&size_of::<KvsanHookTable>().to_string()), "{e}");
+}
+
+#[test]
+fn a_table_of_another_major_version_is_not_attached() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.version_major = 2;
+    t.version_minor = 7;
+    let e = rejection(&t);
+    assert!(e.contains("version is 2.7"), "{e}");
+}
+
+#[test]
+fn a_table_with_a_null_hook_is_not_attached_and_the_error_names_the_hook() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.transfer_recv = None;
+    let e = rejection(&t);
+    assert!(e.contains("`transfer_recv`"), "{e}");
+}
+
+#[test]
+fn a_larger_table_of_a_newer_minor_version_is_attached() {
+    let s = sanitizer();
+    #[repr(C)]
+    struct Newer {
+        base: KvsanHookTable,
+        extra: [u64; 2],
+    }
+    let mut t = Newer {
+        base: forwarding_table(&s),
+        extra: [0; 2],
+    };
+    t.base.size = size_of::<Newer>() as u32;
+    t.base.version_minor = 3;
+    // SAFETY: `t` is a whole table of `size` bytes, its ctx a live sanitizer.
+    let hooks = unsafe { CTableHooks::from_raw(&raw const t.base) }.expect("attached");
+    assert_eq!(hooks.version(), (1, 3));
+    assert_eq!(t.extra, [0; 2]);
+}
+
+#[test]
+fn an_absent_table_symbol_attaches_nothing() {
+    assert!(CTableHooks::from_symbol(c"kvsan_hook_table_v1_not_exported_here").is_none());
+}
+
+#[test]
+fn through_the_c_table_a_read_of_an_unwritten_slot_aborts_with_stale_read() {
+    let s = sanitizer();
+    let t = Box::leak(Box::new(forwarding_table(&s)));
+    // SAFETY: a whole table, leaked for the process; ctx is `s`, kept alive below.
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(t) }.expect("attached"));
+    assert_eq!(hooks.target(), HookTarget::CTable);
+    assert!(hooks.poison());
+    assert_eq!(hooks.quarantine_pages(), 3);
+    let geometry = PoolGeometry {
+        pages: 4,
+        page_slots: 4,
+        layers: 2,
+        bytes_per_slot: 64,
+        role: NodeRole::Unified,
+        node: "unified".into(),
+    };
+    let pool = hooks.pool_register(&geometry, PoolId(99));
+    assert_eq!(pool, PoolId(0), "the sanitizer's id, not the fallback");
+    let owner = Owner {
+        request: RequestId(1),
+        tenant: TenantId(7),
+    };
+    assert!(
+        hooks
+            .request_event(owner, RequestEvent::Admitted)
+            .is_continue()
+    );
+    let page = PageRef {
+        page: PageId(2),
+        generation: Generation(1),
+    };
+    assert!(hooks.alloc(pool, owner, page, 1).is_continue());
+    assert!(hooks.write(pool, owner, page, 0..2, 0..2, 1).is_continue());
+    assert!(hooks.read(pool, owner, &[page], 2, 0..2, 1).is_continue());
+    let v = hooks.read(pool, owner, &[page], 3, 0..2, 2);
+    assert_eq!(v.kind(), Some(ViolationKind::StaleRead));
+    let Verdict::Abort { violation, .. } = v else {
+        panic!("abort expected")
+    };
+    assert_eq!(
+        s.violations()[0].id,
+        violation,
+        "the library's violation id"
+    );
+    assert!(hooks.free(pool, owner, page, 3).is_continue());
+    assert_eq!(
+        hooks.free(pool, owner, page, 4).kind(),
+        Some(ViolationKind::DoubleFree)
+    );
+    assert_eq!(s.violation_count(), 2);
+}
+
+unsafe extern "C" fn abort_with_unknown_kind(
+    _: *mut c_void,
+    _: u32,
+    _: KvsanOwner,
+    _: KvsanPageRef,
+    _: u64,
+) -> KvsanVerdict {
+    KvsanVerdict {
+        code: KVSAN_VERDICT_ABORT,
+        kind: 9_999,
+        violation_id: 42,
+    }
+}
+
+unsafe extern "C" fn unknown_code(
+    _: *mut c_void,
+    _: u32,
+    _: KvsanOwner,
+    _: KvsanPageRef,
+    _: u64,
+) -> KvsanVerdict {
+    KvsanVerdict {
+        code: 77,
+        kind: 0,
+        violation_id: 43,
+    }
+}
+
+#[test]
+fn an_unknown_kind_or_code_still_aborts_keeping_the_violation_id() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.alloc = Some(abort_with_unknown_kind);
+    t.free = Some(unknown_code);
+    // SAFETY: a whole table on the stack, used within this scope only.
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(&t) }.expect("attached"));
+    let owner = Owner {
+        request: RequestId(5),
+        tenant: TenantId(1),
+    };
+    let page = PageRef {
+        page: PageId(0),
+        generation: Generation(1),
+    };
+    let v = hooks.alloc(PoolId(0), owner, page, 0);
+    assert!(
+        matches!(v, Verdict::Abort { violation, kind: ViolationKind::DoubleAlloc } if violation.0 == 42)
+    );
+    let v = hooks.free(PoolId(0), owner, page, 0);
+    assert!(
+        matches!(v, Verdict::Abort { violation, kind: ViolationKind::DoubleFree } if violation.0 == 43)
+    );
+    assert_eq!(KVSAN_VERDICT_CONTINUE, 0);
+}
