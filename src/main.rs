@@ -22,6 +22,8 @@ enum Command {
     Generate(commands::generate::Args),
     /// Print the token ids of a text.
     Tokenize(commands::tokenize::Args),
+    /// Serve requests as a unified, prefill, decode or disaggregated node.
+    Serve(commands::serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -29,6 +31,7 @@ fn main() -> ExitCode {
     let (json, result) = match cli.command {
         Command::Generate(args) => (args.json, commands::generate::run(&args)),
         Command::Tokenize(args) => (args.json, commands::tokenize::run(&args)),
+        Command::Serve(args) => (false, commands::serve::run(&args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

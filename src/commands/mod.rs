@@ -2,4 +2,5 @@
 
 pub mod generate;
 pub mod model_arg;
+pub mod serve;
 pub mod tokenize;

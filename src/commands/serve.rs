@@ -1,0 +1,323 @@
+//! `kvsan serve`: the engine as a server, in one of four roles.
+//!
+//! ```text
+//!  --role unified   clients ──JSON lines──▶ [unified node]
+//!  --role disagg    clients ──JSON lines──▶ [decode node] ◀─in-process─▶ [prefill node]
+//!  --role decode    clients ──JSON lines──▶ [decode node] ◀──TCP──┐   (--listen, --peer-listen)
+//!  --role prefill                                   [prefill node] ┘   (--peer)
+//! ```
+//!
+//! The decode role accepts prefill nodes on `--peer-listen` for as long as it
+//! runs: each new connection replaces the previous link, so a restarted
+//! prefill process is picked up. The prefill role connects to `--peer`,
+//! retrying for `--peer-retry-secs`, and reconnects the same way after its
+//! link drops. The client protocol is in [`client`].
+
+mod client;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use kvsan_engine::chat::ChatTemplate;
+use kvsan_engine::engine::{Engine, EngineConfig, PrefillControl, serve_prefill};
+use kvsan_engine::model::{Model, SyntheticSpec};
+use kvsan_engine::scheduler::SchedulerConfig;
+use kvsan_engine::tokenizer::Tokenizer;
+use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
+use kvsan_engine::transport::{Link, LinkDown, ToDecode};
+
+use super::model_arg;
+use client::{Frontend, TextSide};
+
+/// Which node(s) this process runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// One node computes prefill and decode over one pool.
+    Unified,
+    /// A prefill node that connects to a decode node (`--peer`).
+    Prefill,
+    /// A decode node serving clients; prefill nodes connect to `--peer-listen`.
+    Decode,
+    /// A prefill and a decode node in this process, linked in-process.
+    Disagg,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Unified => "unified",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Disagg => "disagg",
+        }
+    }
+}
+
+/// Arguments of `kvsan serve`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Which node(s) this process runs.
+    #[arg(long, value_enum)]
+    pub role: Role,
+    /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    #[arg(long, conflicts_with = "synthetic")]
+    pub model: Option<PathBuf>,
+    /// Serve the synthetic model (random weights, no tokenizer: clients send
+    /// `prompt_ids`). Every node of a deployment must use the same model.
+    #[arg(long)]
+    pub synthetic: bool,
+    /// Context window of the synthetic model.
+    #[arg(long, requires = "synthetic")]
+    pub synthetic_context: Option<usize>,
+    /// Token slots per KV page (equal on prefill and decode nodes).
+    #[arg(long, default_value_t = 16)]
+    pub page_slots: usize,
+    /// Context window served (default: the model's).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Tokens of the unified node's KV pool (default: one full context).
+    #[arg(long)]
+    pub pool_tokens: Option<usize>,
+    /// Tokens of the prefill node's KV pool (default: one full context).
+    #[arg(long)]
+    pub prefill_pool_tokens: Option<usize>,
+    /// Tokens of the decode node's KV pool (default: one full context).
+    #[arg(long)]
+    pub decode_pool_tokens: Option<usize>,
+    /// Start even when a pool cannot hold one full-context request; such
+    /// requests are rejected one by one, naming the pool's limit.
+    #[arg(long)]
+    pub allow_pool_smaller_than_context: bool,
+    /// Tokens computed per step at most (decode tokens and prefill chunks).
+    #[arg(long, default_value_t = SchedulerConfig::default().step_tokens)]
+    pub step_tokens: usize,
+    /// Requests running at once at most, per node.
+    #[arg(long, default_value_t = SchedulerConfig::default().max_running)]
+    pub max_running: usize,
+    /// Client address (roles unified, decode, disagg); port 0 picks a free port.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Where prefill nodes connect (role decode); port 0 picks a free port.
+    #[arg(long)]
+    pub peer_listen: Option<String>,
+    /// The decode node's `--peer-listen` address (role prefill).
+    #[arg(long)]
+    pub peer: Option<String>,
+    /// How long the prefill role retries connecting to `--peer` before it
+    /// gives up and exits with an error (at start and after a link drop).
+    #[arg(long, default_value_t = 30)]
+    pub peer_retry_secs: u64,
+    /// Client connections served at once at most; more are refused with an error line.
+    #[arg(long, default_value_t = 256)]
+    pub max_clients: usize,
+}
+
+/// Runs the command: serves until the process is stopped (or, for the
+/// prefill role, until the decode node stays unreachable).
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    check_flags(args)?;
+    // Engine logs (link drops, refusals) go to stderr; `RUST_LOG` filters them.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let (model, text) = load_model(args)?;
+    let cfg = EngineConfig {
+        page_slots: args.page_slots,
+        context: args.context,
+        pool_tokens: args.pool_tokens,
+        prefill_pool_tokens: args.prefill_pool_tokens,
+        decode_pool_tokens: args.decode_pool_tokens,
+        allow_pool_smaller_than_context: args.allow_pool_smaller_than_context,
+        scheduler: SchedulerConfig {
+            step_tokens: args.step_tokens,
+            max_running: args.max_running,
+        },
+        ..EngineConfig::default()
+    };
+    let engine = match args.role {
+        Role::Prefill => return run_prefill(args, model, &cfg),
+        Role::Unified => Engine::unified(model, &cfg)?,
+        Role::Disagg => Engine::disaggregated(model, &cfg)?,
+        Role::Decode => Engine::decode_only(model, &cfg)?,
+    };
+    run_front(args, engine, text)
+}
+
+/// Refuses flags that mean nothing for the role (a misplaced pool size or
+/// address is a mistake worth saying, not ignoring).
+fn check_flags(args: &Args) -> anyhow::Result<()> {
+    let role = args.role;
+    let flags: [(&str, bool, &[Role]); 6] = [
+        (
+            "--listen",
+            args.listen.is_some(),
+            &[Role::Unified, Role::Decode, Role::Disagg],
+        ),
+        ("--peer-listen", args.peer_listen.is_some(), &[Role::Decode]),
+        ("--peer", args.peer.is_some(), &[Role::Prefill]),
+        (
+            "--pool-tokens",
+            args.pool_tokens.is_some(),
+            &[Role::Unified],
+        ),
+        (
+            "--prefill-pool-tokens",
+            args.prefill_pool_tokens.is_some(),
+            &[Role::Prefill, Role::Disagg],
+        ),
+        (
+            "--decode-pool-tokens",
+            args.decode_pool_tokens.is_some(),
+            &[Role::Decode, Role::Disagg],
+        ),
+    ];
+    for (flag, given, roles) in flags {
+        if given && !roles.contains(&role) {
+            let names: Vec<&str> = roles.iter().map(|r| r.name()).collect();
+            bail!(
+                "{flag} is not used by --role {}: it is for --role {}",
+                role.name(),
+                names.join("|")
+            );
+        }
+    }
+    let missing = match role {
+        Role::Unified | Role::Disagg if args.listen.is_none() => Some("--listen"),
+        Role::Decode if args.listen.is_none() => Some("--listen"),
+        Role::Decode if args.peer_listen.is_none() => Some("--peer-listen"),
+        Role::Prefill if args.peer.is_none() => Some("--peer"),
+        _ => None,
+    };
+    if let Some(flag) = missing {
+        bail!("--role {} needs {flag} ADDR", role.name());
+    }
+    Ok(())
+}
+
+/// The model, and its tokenizer and chat template when it has them.
+fn load_model(args: &Args) -> anyhow::Result<(Arc<Model>, Option<Arc<TextSide>>)> {
+    if args.synthetic {
+        let spec = SyntheticSpec {
+            context_length: args
+                .synthetic_context
+                .unwrap_or(SyntheticSpec::default().context_length),
+            ..SyntheticSpec::default()
+        };
+        return Ok((Arc::new(spec.build()?), None));
+    }
+    let path = model_arg::resolve(args.model.as_deref())?;
+    let model = Model::load(&path)?;
+    let text = match model.weights().file() {
+        Some(gguf) => {
+            let tokenizer = Tokenizer::from_gguf(gguf)?;
+            // A model without a usable template still serves plain prompts.
+            let template = ChatTemplate::from_gguf(gguf).ok();
+            Some(Arc::new(TextSide::new(tokenizer, template)))
+        }
+        None => None,
+    };
+    Ok((Arc::new(model), text))
+}
+
+/// Roles with a client interface (unified, decode, disagg): serve clients
+/// on `--listen`, and for decode accept prefill nodes on `--peer-listen`.
+fn run_front(args: &Args, engine: Engine, text: Option<Arc<TextSide>>) -> anyhow::Result<()> {
+    let engine = Arc::new(engine);
+    let listen = args.listen.as_deref().expect("checked by check_flags");
+    let clients = TcpListener::bind(listen)
+        .with_context(|| format!("cannot listen for clients at {listen}"))?;
+    let client_addr = clients.local_addr()?;
+    let mut line = format!(
+        "kvsan: serving role={} listen={client_addr}",
+        args.role.name()
+    );
+    if let Some(peer_listen) = &args.peer_listen {
+        let peers = tcp::listen(peer_listen.as_str())?;
+        line.push_str(&format!(" peer-listen={}", peers.local_addr()));
+        let engine = engine.clone();
+        std::thread::Builder::new()
+            .name("kvsan-peer-accept".into())
+            .spawn(move || accept_prefill_nodes(&peers, &engine))
+            .context("cannot start the prefill accept thread")?;
+    }
+    eprintln!("{line}");
+    let front = Arc::new(Frontend::new(engine, text));
+    client::serve_clients(&clients, &front, args.max_clients);
+    Ok(())
+}
+
+/// Attaches every prefill node that connects; a new connection replaces
+/// the previous link (requests still waiting on that one are aborted).
+fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Engine) {
+    let opts = TcpOptions::default();
+    loop {
+        match peers.accept_decode(None, &opts) {
+            Ok((link, inbox)) => {
+                eprintln!("kvsan: prefill node connected ({})", link.peer());
+                engine.attach_prefill(Box::new(link), inbox);
+            }
+            Err(e) => {
+                eprintln!("kvsan: accepting a prefill node failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// A TCP link the prefill role keeps a handle on, to say why it dropped.
+struct SharedLink(Arc<TcpLink<ToDecode>>);
+
+impl Link<ToDecode> for SharedLink {
+    fn send(&self, msg: ToDecode) -> Result<(), LinkDown> {
+        self.0.send(msg)
+    }
+}
+
+/// The prefill role: serve the decode node at `--peer`, reconnecting after
+/// each link drop, until it stays unreachable for `--peer-retry-secs`.
+fn run_prefill(args: &Args, model: Arc<Model>, cfg: &EngineConfig) -> anyhow::Result<()> {
+    let peer = args.peer.clone().expect("checked by check_flags");
+    let retry = Duration::from_secs(args.peer_retry_secs);
+    let opts = TcpOptions::default();
+    eprintln!("kvsan: serving role=prefill peer={peer}");
+    // Dropping the control would stop the node: keep it for the whole run.
+    let (control, inbox) = PrefillControl::new();
+    let mut failure: Option<kvsan_engine::EngineError> = None;
+    let mut previous: Option<Arc<TcpLink<ToDecode>>> = None;
+    let connect = || {
+        if let Some(prev) = previous.take() {
+            let why = prev
+                .down_reason()
+                .unwrap_or_else(|| "the link closed".into());
+            eprintln!("kvsan: link to the decode node dropped ({why}); reconnecting");
+        }
+        match tcp::connect_prefill(peer.as_str(), retry, &opts) {
+            Ok((link, rx)) => {
+                eprintln!("kvsan: connected to the decode node at {peer}");
+                let link = Arc::new(link);
+                previous = Some(link.clone());
+                let boxed: Box<dyn Link<ToDecode>> = Box::new(SharedLink(link));
+                Some((boxed, rx))
+            }
+            Err(e) => {
+                failure = Some(e);
+                None
+            }
+        }
+    };
+    serve_prefill(model, cfg, inbox, connect)?;
+    drop(control);
+    match failure {
+        Some(e) => Err(anyhow::Error::new(e).context(format!(
+            "the decode node at {peer} could not be reached within {}s",
+            args.peer_retry_secs
+        ))),
+        None => Ok(()),
+    }
+}
