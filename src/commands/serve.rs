@@ -259,8 +259,11 @@ fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Engine) {
     loop {
         match peers.accept_decode(None, &opts) {
             Ok((link, inbox)) => {
-                eprintln!("kvsan: prefill node connected ({})", link.peer());
+                let peer = link.peer().to_string();
                 engine.attach_prefill(Box::new(link), inbox);
+                // Said once attached: a request submitted after this line
+                // reaches the decode node after the link.
+                eprintln!("kvsan: prefill node connected ({peer})");
             }
             Err(e) => {
                 eprintln!("kvsan: accepting a prefill node failed: {e}");
