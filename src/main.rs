@@ -24,6 +24,9 @@ enum Command {
     Tokenize(commands::tokenize::Args),
     /// Serve requests as a unified, prefill, decode or disaggregated node.
     Serve(commands::serve::Args),
+    /// Replay a known leak in the real engine: without the sanitizer, with
+    /// it, and with the bug fixed (needs a build with `--features faults`).
+    Replay(commands::replay::Args),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => (args.json, commands::generate::run(&args)),
         Command::Tokenize(args) => (args.json, commands::tokenize::run(&args)),
         Command::Serve(args) => (false, commands::serve::run(&args)),
+        Command::Replay(args) => (args.json, commands::replay::run(&args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

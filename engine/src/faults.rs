@@ -39,6 +39,7 @@ impl Fault {
         Fault::ALL.into_iter().find(|f| f.name() == name)
     }
 
+    #[cfg(feature = "faults")]
     fn bit(self) -> u32 {
         1 << (self as u32)
     }

@@ -2,5 +2,6 @@
 
 pub mod generate;
 pub mod model_arg;
+pub mod replay;
 pub mod serve;
 pub mod tokenize;

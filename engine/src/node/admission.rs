@@ -12,12 +12,13 @@ pub(crate) struct PoolLimit<'a> {
     pub tokens: usize,
 }
 
-/// Checks a request against the model, the context and every pool it will
-/// use. The error is a rejection naming the prompt length, the limit and the
+/// Checks a request against the model, the context (enforced by the
+/// admitting node `node`) and every pool it will use. The error is a rejection naming the prompt length, the limit and the
 /// node, or an invalid-request error naming the bad field.
 pub(crate) fn check(
     request: &Request,
     model: &Model,
+    node: &str,
     context: usize,
     pools: &[PoolLimit<'_>],
 ) -> Result<(), RequestError> {
@@ -53,7 +54,7 @@ pub(crate) fn check(
             ),
             prompt_tokens: prompt,
             limit: context,
-            node: pools.first().map_or("engine", |p| p.node).to_string(),
+            node: node.to_string(),
         }));
     }
     for pool in pools {

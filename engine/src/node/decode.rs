@@ -179,7 +179,7 @@ impl DecodeNode {
             },
         ];
         let context = self.context.min(info.context_length);
-        let checked = admission::check(&request, &self.core.model, context, &limits);
+        let checked = admission::check(&request, &self.core.model, "decode", context, &limits);
         let request_copy = faults::active(Fault::RejectAsPlaceholder).then(|| request.clone());
         match checked.and_then(|()| new_sequence(owner, request, Some(events.clone()))) {
             Ok(seq) => {

@@ -162,7 +162,8 @@ impl PrefillNode {
             tokens: self.core.capacity_tokens(),
         }];
         let ps = self.core.pool.page_slots();
-        let mut verdict = admission::check(&request, &self.core.model, self.context, &limits);
+        let mut verdict =
+            admission::check(&request, &self.core.model, "prefill", self.context, &limits);
         if verdict.is_ok() && order.dst_pages.len() * ps < request.prompt.len() {
             verdict = Err(RequestError::new(
                 ErrorKind::InvalidRequest,

@@ -214,7 +214,7 @@ fn submit(
         node: &core.name,
         tokens: core.capacity_tokens(),
     }];
-    let checked = admission::check(&request, &core.model, context, &limits);
+    let checked = admission::check(&request, &core.model, &core.name, context, &limits);
     let seq = checked.and_then(|()| new_sequence(owner, request, Some(events.clone())));
     match seq {
         Ok(seq) => {
