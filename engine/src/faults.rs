@@ -11,6 +11,7 @@
 //! | fault | what the engine then does wrong |
 //! | --- | --- |
 //! | `reject-as-placeholder` | an oversize prompt is rejected into a one-token placeholder; the disaggregated admission checks "finished" instead of "rejected", so decode reserves pages for the whole prompt, prefill sends KV for one token, and decode reads its whole reservation |
+//! | `short-transfer` | prefill drops the last piece of a prompt whose KV goes in several pieces (an off-by-one in the piece loop), yet reports the prefill done; decode commits and reads the whole prompt |
 
 /// A fault this build can inject.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -19,17 +20,20 @@ pub enum Fault {
     /// The incident: an oversize prompt rejected into a one-token
     /// placeholder is admitted by the disaggregated path anyway.
     RejectAsPlaceholder,
+    /// Prefill sends fewer tokens than decode reserved and committed.
+    ShortTransfer,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 1] = [Fault::RejectAsPlaceholder];
+    pub const ALL: [Fault; 2] = [Fault::RejectAsPlaceholder, Fault::ShortTransfer];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {
             Fault::RejectAsPlaceholder => "reject-as-placeholder",
+            Fault::ShortTransfer => "short-transfer",
         }
     }
 

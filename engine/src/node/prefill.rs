@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use crossbeam_channel::{Receiver, select};
 use kvsan_sanitizer::{Manifest, PoolId, RequestId};
 
+use crate::faults::{self, Fault};
 use crate::hooks::RequestEvent;
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
@@ -248,9 +249,14 @@ impl PrefillNode {
         }
         let layers = self.core.model.config().n_layers;
         let prompt_len = seq.prompt_len;
+        let mut shipped = prompt_len;
+        if faults::active(Fault::ShortTransfer) && prompt_len > TRANSFER_TOKENS {
+            // The last piece is dropped.
+            shipped = (prompt_len - 1) / TRANSFER_TOKENS * TRANSFER_TOKENS;
+        }
         let mut first = 0;
-        while first < prompt_len {
-            let tokens = TRANSFER_TOKENS.min(prompt_len - first);
+        while first < shipped {
+            let tokens = TRANSFER_TOKENS.min(shipped - first);
             let manifest = Manifest {
                 request: seq.owner,
                 src_pool: self.core.pool_id,
