@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use kvsan_engine::engine::{Engine, EngineConfig, Output};
 use kvsan_engine::faults::{self, Fault};
 use kvsan_engine::hooks::Hooks;
-use kvsan_engine::model::{AttentionCheck, Model, SyntheticSpec};
+use kvsan_engine::model::{AttentionCheck, SyntheticSpec};
 use kvsan_engine::request::{ErrorKind, Request, RequestError};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_sanitizer::{Options, Sanitizer, TenantId, ViolationKind};
