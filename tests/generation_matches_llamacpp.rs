@@ -7,13 +7,19 @@
 //!   llama.cpp's top-2 margin plus our margin the other way is below
 //!   [`NEAR_TIE`] (float summation order decides such a step);
 //! - free-running: our greedy generation (chunked prefill, then decode steps)
-//!   must equal llama.cpp's for at least the first 32 tokens, or up to a step
+//!   through the engine must equal llama.cpp's for at least the first 32 tokens, or up to a step
 //!   that the teacher-forced check showed to be such a near tie.
 
 use kvsan_engine::fetch::ensure_default_model;
-use kvsan_engine::generate::{GenerateOptions, generate};
+use std::sync::Arc;
+
+use kvsan_engine::engine::{Engine, EngineConfig};
 use kvsan_engine::kv_pool::KvPool;
 use kvsan_engine::model::{AttentionCheck, Logits, Model, SeqChunk};
+use kvsan_engine::request::Request;
+use kvsan_engine::sampler::SamplingParams;
+use kvsan_engine::scheduler::SchedulerConfig;
+use kvsan_sanitizer::TenantId;
 use serde_json::Value;
 
 /// A step may differ from llama.cpp only when the two implementations' logit
@@ -156,18 +162,29 @@ fn teacher_forced_argmax_equals_llamacpp_except_near_ties() {
 
 #[test]
 fn greedy_generation_equals_llamacpp_for_the_first_32_tokens() {
-    let model = model();
+    let model = Arc::new(model());
+    // A step budget of 7 tokens: several prefill chunks, then decode steps.
+    let cfg = EngineConfig {
+        context: Some(4096),
+        scheduler: SchedulerConfig {
+            step_tokens: 7,
+            max_running: 1,
+        },
+        ..EngineConfig::default()
+    };
+    let engine = Engine::unified(model.clone(), &cfg).expect("engine");
     for g in golden() {
-        let opts = GenerateOptions {
+        let request = Request {
+            tenant: TenantId(0),
+            prompt: g.prompt_ids.clone(),
             max_tokens: g.ids.len(),
+            sampling: SamplingParams::greedy(),
             stop_tokens: vec![2],
-            prefill_chunk: 7, // several prefill chunks, then decode steps
-            ..GenerateOptions::default()
         };
-        let out = generate(&model, &g.prompt_ids, &opts, |_| {}).expect("generate");
-        let first_diff = out.ids.iter().zip(&g.ids).position(|(a, b)| a != b);
+        let ids = engine.submit(request).wait().expect("generation").tokens;
+        let first_diff = ids.iter().zip(&g.ids).position(|(a, b)| a != b);
         match first_diff {
-            None => assert_eq!(out.ids.len(), g.ids.len(), "{:?}: length", g.prompt),
+            None => assert_eq!(ids.len(), g.ids.len(), "{:?}: length", g.prompt),
             Some(k) if k >= STRICT_PREFIX => {}
             Some(k) => {
                 let logits = teacher_forced_logits(&model, &g);
@@ -177,7 +194,7 @@ fn greedy_generation_equals_llamacpp_for_the_first_32_tokens() {
                     "{:?}: differs from llama.cpp at token {k} (ours {:?}, theirs {:?}), \
                      which is not a near tie",
                     g.prompt,
-                    &out.ids[..=k],
+                    &ids[..=k],
                     &g.ids[..=k]
                 );
             }

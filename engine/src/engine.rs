@@ -87,6 +87,26 @@ fn default_hooks() -> Hooks {
 }
 
 impl EngineConfig {
+    /// A node named `name` with a pool of `pages` pages, this configuration's
+    /// page size, hooks and attention check.
+    fn node(
+        &self,
+        model: Arc<Model>,
+        pages: usize,
+        role: NodeRole,
+        name: &str,
+    ) -> Result<NodeCore, EngineError> {
+        NodeCore::new(
+            model,
+            pages,
+            self.page_slots,
+            role,
+            name,
+            self.hooks.clone(),
+            self.check,
+        )
+    }
+
     /// The context served, checked against the model's.
     fn context(&self, model: &Model) -> Result<usize, EngineError> {
         let max = model.config().context_length;
@@ -201,15 +221,7 @@ impl Engine {
     pub fn unified(model: Arc<Model>, cfg: &EngineConfig) -> Result<Engine, EngineError> {
         let context = cfg.context(&model)?;
         let pages = cfg.pages(cfg.pool_tokens, context, "unified")?;
-        let core = NodeCore::new(
-            model,
-            pages,
-            cfg.page_slots,
-            NodeRole::Unified,
-            "unified",
-            cfg.hooks.clone(),
-            cfg.check,
-        )?;
+        let core = cfg.node(model, pages, NodeRole::Unified, "unified")?;
         let sched = Scheduler::new(cfg.scheduler);
         let (tx, rx) = unbounded();
         let t = spawn("kvsan-unified", move || {
@@ -227,24 +239,8 @@ impl Engine {
         let context = cfg.context(&model)?;
         let ppages = cfg.pages(cfg.prefill_pool_tokens, context, "prefill")?;
         let dpages = cfg.pages(cfg.decode_pool_tokens, context, "decode")?;
-        let pcore = NodeCore::new(
-            model.clone(),
-            ppages,
-            cfg.page_slots,
-            NodeRole::Prefill,
-            "prefill",
-            cfg.hooks.clone(),
-            cfg.check,
-        )?;
-        let dcore = NodeCore::new(
-            model,
-            dpages,
-            cfg.page_slots,
-            NodeRole::Decode,
-            "decode",
-            cfg.hooks.clone(),
-            cfg.check,
-        )?;
+        let pcore = cfg.node(model.clone(), ppages, NodeRole::Prefill, "prefill")?;
+        let dcore = cfg.node(model, dpages, NodeRole::Decode, "decode")?;
         let pair = in_process::pair();
         let (ptx, prx) = unbounded();
         let mut prefill = PrefillNode::new(pcore, Scheduler::new(cfg.scheduler), context, false);
@@ -252,9 +248,7 @@ impl Engine {
         let pt = spawn("kvsan-prefill", move || {
             prefill.serve(&to_decode, &prefill_inbox, &prx);
         })?;
-        let (dtx, drx) = unbounded();
-        let decode = DecodeNode::new(dcore, Scheduler::new(cfg.scheduler), context, dtx.clone());
-        let dt = spawn("kvsan-decode", move || decode.run(drx))?;
+        let (dtx, dt) = spawn_decode(dcore, cfg, context)?;
         let engine = Engine::with(dtx, Some(ptx), vec![pt, dt]);
         engine.attach_prefill(Box::new(pair.to_prefill), pair.decode_inbox);
         Ok(engine)
@@ -268,18 +262,8 @@ impl Engine {
     pub fn decode_only(model: Arc<Model>, cfg: &EngineConfig) -> Result<Engine, EngineError> {
         let context = cfg.context(&model)?;
         let dpages = cfg.pages(cfg.decode_pool_tokens, context, "decode")?;
-        let dcore = NodeCore::new(
-            model,
-            dpages,
-            cfg.page_slots,
-            NodeRole::Decode,
-            "decode",
-            cfg.hooks.clone(),
-            cfg.check,
-        )?;
-        let (dtx, drx) = unbounded();
-        let decode = DecodeNode::new(dcore, Scheduler::new(cfg.scheduler), context, dtx.clone());
-        let dt = spawn("kvsan-decode", move || decode.run(drx))?;
+        let dcore = cfg.node(model, dpages, NodeRole::Decode, "decode")?;
+        let (dtx, dt) = spawn_decode(dcore, cfg, context)?;
         Ok(Engine::with(dtx, None, vec![dt]))
     }
 
@@ -372,6 +356,18 @@ impl Drop for Engine {
     }
 }
 
+/// Starts a decode node's thread; returns its command channel and thread.
+fn spawn_decode(
+    core: NodeCore,
+    cfg: &EngineConfig,
+    context: usize,
+) -> Result<(Sender<Command>, JoinHandle<()>), EngineError> {
+    let (tx, rx) = unbounded();
+    let decode = DecodeNode::new(core, Scheduler::new(cfg.scheduler), context, tx.clone());
+    let thread = spawn("kvsan-decode", move || decode.run(rx))?;
+    Ok((tx, thread))
+}
+
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, EngineError> {
     std::thread::Builder::new()
         .name(name.to_string())
@@ -428,15 +424,7 @@ pub fn serve_prefill(
 ) -> Result<(), EngineError> {
     let context = cfg.context(&model)?;
     let pages = cfg.pages(cfg.prefill_pool_tokens, context, "prefill")?;
-    let core = NodeCore::new(
-        model,
-        pages,
-        cfg.page_slots,
-        NodeRole::Prefill,
-        "prefill",
-        cfg.hooks.clone(),
-        cfg.check,
-    )?;
+    let core = cfg.node(model, pages, NodeRole::Prefill, "prefill")?;
     let mut node = PrefillNode::new(core, Scheduler::new(cfg.scheduler), context, true);
     while let Some((link, inbox)) = connect() {
         if let Exit::Shutdown = node.serve(link.as_ref(), &inbox, &control.rx) {

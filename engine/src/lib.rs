@@ -7,7 +7,6 @@ pub mod engine;
 pub mod error;
 pub mod faults;
 pub mod fetch;
-pub mod generate;
 pub mod gguf;
 pub mod hooks;
 pub mod kv_pool;
