@@ -50,6 +50,7 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
+        let hooks = default_hooks();
         EngineConfig {
             page_slots: 16,
             context: None,
@@ -58,16 +59,17 @@ impl Default for EngineConfig {
             decode_pool_tokens: None,
             allow_pool_smaller_than_context: false,
             scheduler: SchedulerConfig::default(),
-            check: default_check(),
-            hooks: default_hooks(),
+            check: default_check(&hooks),
+            hooks,
         }
     }
 }
 
-/// Release builds: plain kernels. Debug-build mode (feature `sanitize`):
-/// the kernels that check every `PageRef`'s generation.
-const fn default_check() -> AttentionCheck {
-    if cfg!(feature = "sanitize") {
+/// With a sanitizer attached (debug-build mode, or a release build under the
+/// shim): the kernels that check every `PageRef`'s generation. Without one:
+/// plain kernels.
+fn default_check(hooks: &Hooks) -> AttentionCheck {
+    if hooks.is_attached() {
         AttentionCheck::Generations
     } else {
         AttentionCheck::Unchecked

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod fault;
 pub mod generate;
 pub mod model_arg;
 pub mod replay;

@@ -31,21 +31,28 @@ use super::model_arg;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// What to replay.
-    #[arg(value_enum)]
+    #[command(subcommand)]
     pub what: Replay,
-    /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
     /// Print one JSON object per run, one per line.
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub json: bool,
 }
 
-/// A replayable incident.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+/// A replayable leak.
+#[derive(clap::Subcommand, Debug)]
 pub enum Replay {
-    /// The reject-as-placeholder leak in disaggregated serving.
-    Incident,
+    /// The reject-as-placeholder leak in disaggregated serving, on SmolLM2:
+    /// without the sanitizer, with it, and with the bug fixed.
+    Incident {
+        /// GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+    /// One fault's leak-oracle scenario (victim of tenant A, probe of tenant
+    /// B, bystander of tenant C) on the synthetic model, once, with the
+    /// hooks this process chose (none in a release build, the in-process
+    /// sanitizer with `--features sanitize`, the shim's under `LD_PRELOAD`).
+    Fault(super::fault::Args),
 }
 
 /// The deployment of the replay: context 8,192, prefill pool 1,024 tokens,
@@ -168,9 +175,15 @@ impl Scenario {
 
 /// Runs the command.
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let Replay::Incident = args.what;
+    match &args.what {
+        Replay::Incident { model } => incident(model.as_deref(), args.json),
+        Replay::Fault(fault) => super::fault::run(fault, args.json),
+    }
+}
+
+fn incident(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
     faults::set(&[]).map_err(anyhow::Error::msg)?;
-    let path = model_arg::resolve(args.model.as_deref())?;
+    let path = model_arg::resolve(model)?;
     let model = Arc::new(Model::load(&path)?);
     let gguf = model
         .weights()
@@ -190,7 +203,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     };
     let mut out = std::io::stdout().lock();
 
-    if !args.json {
+    if !json {
         writeln!(
             out,
             "kvsan replay incident: disaggregated SmolLM2, context {CONTEXT}, prefill pool {PREFILL_POOL} tokens, \
@@ -244,7 +257,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         || correct.text.clone().unwrap_or_default(),
         ToString::to_string,
     );
-    if args.json {
+    if json {
         writeln!(
             out,
             "{}",
@@ -293,7 +306,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .error
         .as_ref()
         .is_some_and(|e| e.violation.is_some());
-    if args.json {
+    if json {
         writeln!(
             out,
             "{}",
@@ -324,7 +337,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .error
         .as_ref()
         .is_some_and(|e| e.rejection.is_some());
-    if args.json {
+    if json {
         writeln!(
             out,
             "{}",

@@ -13,6 +13,8 @@
 //! | `reject-as-placeholder` | an oversize prompt is rejected into a one-token placeholder; the disaggregated admission checks "finished" instead of "rejected", so decode reserves pages for the whole prompt, prefill sends KV for one token, and decode reads its whole reservation |
 //! | `short-transfer` | prefill drops the last piece of a prompt whose KV goes in several pieces (an off-by-one in the piece loop), yet reports the prefill done; decode commits and reads the whole prompt |
 
+pub mod scenario;
+
 /// A fault this build can inject.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]

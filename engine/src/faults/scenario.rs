@@ -1,0 +1,215 @@
+//! Leak-oracle scenarios: for every [`Fault`], a short script in the real
+//! disaggregated engine (synthetic model) with a victim request of tenant A,
+//! a probe request of tenant B and an unrelated bystander of tenant C.
+//!
+//! The oracle is noninterference: the probe's outcome must not depend on
+//! the victim. Each scenario is run twice with victims that differ only in
+//! their prompt (`victim_seed`); with the fault injected and no sanitizer the
+//! probe's outcome differs (the fault really leaks), with the fault off it is
+//! the same, and with the sanitizer the probe is aborted with
+//! [`Scenario::expected`] while the bystander finishes.
+//!
+//! The same scripts back the engine's fault tests, `kvsan replay fault NAME`
+//! and the shim's release-binary tests, so every way of running the
+//! sanitizer is held to the same cases.
+
+use std::sync::Arc;
+
+use kvsan_sanitizer::{TenantId, ViolationKind};
+
+use super::Fault;
+use crate::EngineError;
+use crate::engine::{Engine, EngineConfig, Output};
+use crate::hooks::Hooks;
+use crate::model::{AttentionCheck, Model, SyntheticSpec};
+use crate::request::{Request, RequestError};
+use crate::sampler::SamplingParams;
+
+/// The tenants of every scenario.
+pub const VICTIM_TENANT: TenantId = TenantId(1);
+/// Tenant B, whose request must not see tenant A's data.
+pub const PROBE_TENANT: TenantId = TenantId(2);
+/// Tenant C, unrelated to both.
+pub const BYSTANDER_TENANT: TenantId = TenantId(3);
+
+/// How one run of a scenario ended, request by request.
+#[derive(Debug)]
+pub struct ScenarioRun {
+    /// Tenant A's request (whose data must not leak).
+    pub victim: Result<Output, RequestError>,
+    /// Tenant B's request (which must not see it).
+    pub probe: Result<Output, RequestError>,
+    /// Tenant C's unrelated request, served alongside.
+    pub bystander: Result<Output, RequestError>,
+}
+
+/// What the victim's request is expected to do when the sanitizer is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VictimEnd {
+    /// It finishes normally.
+    Finishes,
+    /// The script itself cancels it (the fault acts on a cancelled request).
+    Cancelled,
+}
+
+/// One fault's leak-oracle script.
+#[derive(Clone, Copy, Debug)]
+pub struct Scenario {
+    /// The fault the script provokes.
+    pub fault: Fault,
+    /// The violation kind the sanitizer reports for the probe.
+    pub expected: ViolationKind,
+    /// Whether the checked attention kernel alone (no sanitizer hooks)
+    /// refuses the probe's read.
+    pub kernel_check_catches: bool,
+    /// How the victim ends.
+    pub victim_end: VictimEnd,
+    /// Engine settings of the scenario (pool sizes, limits).
+    configure: fn(&mut EngineConfig),
+    /// Submits the requests and waits for them.
+    drive: fn(&Engine, u32) -> ScenarioRun,
+}
+
+impl Scenario {
+    /// The scenario of `fault`.
+    #[must_use]
+    pub fn of(fault: Fault) -> Scenario {
+        match fault {
+            Fault::RejectAsPlaceholder => Scenario {
+                fault,
+                expected: ViolationKind::TerminalRequestActivity,
+                kernel_check_catches: false,
+                victim_end: VictimEnd::Finishes,
+                configure: |cfg| {
+                    // The probe's 300 tokens are over the prefill pool.
+                    cfg.prefill_pool_tokens = Some(256);
+                    cfg.decode_pool_tokens = Some(1024);
+                    cfg.allow_pool_smaller_than_context = true;
+                },
+                drive: |engine, seed| {
+                    let v = engine.submit(victim(seed, 200, 8)).wait();
+                    let bystander = engine.submit(bystander());
+                    let p = engine.submit(probe(300, 16)).wait();
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::ShortTransfer => Scenario {
+                fault,
+                expected: ViolationKind::ShortTransfer,
+                kernel_check_catches: false,
+                victim_end: VictimEnd::Finishes,
+                configure: |_| {},
+                drive: |engine, seed| {
+                    // A short victim (one transfer piece, untouched by the
+                    // fault) whose answer fills the decode pages the probe
+                    // later gets back, then a probe sent in several pieces.
+                    let v = engine.submit(victim(seed, 40, 200)).wait();
+                    let bystander = engine.submit(bystander());
+                    let p = engine.submit(probe(200, 16)).wait();
+                    finish(v, p, &bystander)
+                },
+            },
+        }
+    }
+
+    /// Every fault's scenario.
+    pub fn all() -> impl Iterator<Item = Scenario> {
+        Fault::ALL.into_iter().map(Scenario::of)
+    }
+
+    /// The engine configuration of the scenario with `hooks` and `check`.
+    #[must_use]
+    pub fn config(&self, hooks: Hooks, check: AttentionCheck) -> EngineConfig {
+        let mut cfg = EngineConfig {
+            hooks,
+            check,
+            ..EngineConfig::default()
+        };
+        (self.configure)(&mut cfg);
+        cfg
+    }
+
+    /// Runs the script once on a fresh disaggregated engine over `model`
+    /// (any model whose vocabulary has at least 256 tokens), with the fault
+    /// injected if `inject`. The process-wide fault switch is set for the
+    /// run and cleared after it: callers running scenarios concurrently in
+    /// one process must take turns.
+    ///
+    /// # Errors
+    /// The engine could not be built (a configuration the model refuses).
+    pub fn run(
+        &self,
+        model: &Arc<Model>,
+        hooks: Hooks,
+        check: AttentionCheck,
+        victim_seed: u32,
+        inject: bool,
+    ) -> Result<ScenarioRun, EngineError> {
+        let engine = Engine::disaggregated(model.clone(), &self.config(hooks, check))?;
+        // The switch only exists in builds with the feature; without it
+        // `set(&[])` is accepted and an injection request is refused below.
+        let faults: &[Fault] = if inject {
+            std::slice::from_ref(&self.fault)
+        } else {
+            &[]
+        };
+        super::set(faults).map_err(|what| EngineError::Config { what })?;
+        let run = (self.drive)(&engine, victim_seed);
+        let _ = super::set(&[]);
+        Ok(run)
+    }
+}
+
+/// The model every scenario is written for.
+///
+/// # Errors
+/// Never in practice (the synthetic model's build is infallible for its
+/// default specification); the error is passed on rather than unwrapped.
+pub fn scenario_model() -> Result<Arc<Model>, EngineError> {
+    Ok(Arc::new(SyntheticSpec::default().build()?))
+}
+
+/// Tenant A's request: `len` prompt tokens that depend on `seed`.
+#[must_use]
+pub fn victim(seed: u32, len: u32, max_tokens: usize) -> Request {
+    let prompt = (0..len).map(|i| (i * 7 + seed * 31) % 256).collect();
+    request(VICTIM_TENANT, prompt, max_tokens)
+}
+
+/// Tenant B's request: `len` prompt tokens, the same in every run.
+#[must_use]
+pub fn probe(len: u32, max_tokens: usize) -> Request {
+    let prompt = (0..len).map(|i| (i * 13 + 5) % 256).collect();
+    request(PROBE_TENANT, prompt, max_tokens)
+}
+
+/// Tenant C's short request.
+#[must_use]
+pub fn bystander() -> Request {
+    request(BYSTANDER_TENANT, vec![9; 30], BYSTANDER_TOKENS)
+}
+
+/// Tokens the bystander asks for.
+pub const BYSTANDER_TOKENS: usize = 12;
+
+fn request(tenant: TenantId, prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        tenant,
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: Vec::new(),
+    }
+}
+
+fn finish(
+    victim: Result<Output, RequestError>,
+    probe: Result<Output, RequestError>,
+    bystander: &crate::engine::RequestHandle,
+) -> ScenarioRun {
+    ScenarioRun {
+        victim,
+        probe,
+        bystander: bystander.wait(),
+    }
+}

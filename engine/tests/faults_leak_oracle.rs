@@ -1,0 +1,240 @@
+//! The leak oracle, fault by fault, in the real disaggregated engine
+//! (synthetic model): noninterference between a victim of tenant A and a
+//! probe of tenant B.
+//!
+//! For every fault:
+//! - injected, no sanitizer, plain kernels (a release engine): the probe's
+//!   outcome changes when only the victim's prompt changes — the fault
+//!   really leaks;
+//! - not injected: the probe's outcome is the same for both victims;
+//! - injected, with the sanitizer: the probe is aborted with the expected
+//!   violation kind, the report names it, the bystander finishes;
+//! - for the faults the checked attention kernel can see on its own
+//!   (hooks off): the probe is aborted by the kernel's generation check.
+//!
+//! Run with `cargo test -p kvsan-engine --features faults`.
+#![cfg(feature = "faults")]
+
+use std::sync::{Arc, Mutex};
+
+use kvsan_engine::engine::Output;
+use kvsan_engine::faults::Fault;
+use kvsan_engine::faults::scenario::{
+    BYSTANDER_TOKENS, Scenario, ScenarioRun, VictimEnd, scenario_model,
+};
+use kvsan_engine::hooks::Hooks;
+use kvsan_engine::model::AttentionCheck;
+use kvsan_engine::request::{ErrorKind, RequestError};
+use kvsan_sanitizer::{Options, Sanitizer};
+
+/// The fault switch is process-wide: tests that flip it take turns.
+static FAULTS: Mutex<()> = Mutex::new(());
+
+/// A report sink the test can read.
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a client of the probe sees: its tokens, or its error's kind and
+/// rejection limit (messages carry request ids, which differ run to run).
+fn seen(r: &Result<Output, RequestError>) -> String {
+    match r {
+        Ok(out) => format!("tokens {:?}", out.tokens),
+        Err(e) => format!(
+            "error {} {:?}",
+            e.kind.name(),
+            e.rejection.as_ref().map(|r| r.limit)
+        ),
+    }
+}
+
+fn unsanitized(fault: Fault, seed: u32, inject: bool) -> ScenarioRun {
+    let _turn = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+    let model = scenario_model().expect("synthetic model");
+    Scenario::of(fault)
+        .run(
+            &model,
+            Hooks::none(),
+            AttentionCheck::Unchecked,
+            seed,
+            inject,
+        )
+        .expect("engine")
+}
+
+fn injected_leaks(fault: Fault) {
+    let a = unsanitized(fault, 1, true);
+    let b = unsanitized(fault, 2, true);
+    assert_ne!(
+        seen(&a.probe),
+        seen(&b.probe),
+        "{}: the probe's outcome must change with the victim's data",
+        fault.name()
+    );
+}
+
+fn fault_off_is_noninterfering(fault: Fault) {
+    let a = unsanitized(fault, 1, false);
+    let b = unsanitized(fault, 2, false);
+    assert_eq!(seen(&a.probe), seen(&b.probe), "{}", fault.name());
+    assert!(a.bystander.is_ok() && b.bystander.is_ok());
+}
+
+fn assert_bystander_and_victim(fault: Fault, run: &ScenarioRun) {
+    let scenario = Scenario::of(fault);
+    assert_eq!(
+        run.bystander
+            .as_ref()
+            .expect("an unrelated request finishes")
+            .tokens
+            .len(),
+        BYSTANDER_TOKENS
+    );
+    match scenario.victim_end {
+        VictimEnd::Finishes => {
+            run.victim.as_ref().expect("the victim finishes");
+        }
+        VictimEnd::Cancelled => {
+            let e = run.victim.as_ref().expect_err("the victim is cancelled");
+            assert_eq!(e.kind, ErrorKind::Cancelled, "{}", e.message);
+        }
+    }
+}
+
+fn sanitized_aborts_the_probe(fault: Fault) {
+    let scenario = Scenario::of(fault);
+    let sink = Sink::default();
+    let sanitizer = Arc::new(Sanitizer::with_writer(
+        Options::parse("report_format=text").expect("options"),
+        sink.clone(),
+    ));
+    let run = {
+        let _turn = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+        let model = scenario_model().expect("synthetic model");
+        scenario
+            .run(
+                &model,
+                Hooks::sanitizer(sanitizer.clone()),
+                AttentionCheck::Generations,
+                1,
+                true,
+            )
+            .expect("engine")
+    };
+    let report = String::from_utf8(sink.0.lock().expect("sink").clone()).expect("utf-8");
+    let err = run.probe.as_ref().expect_err("the probe must be aborted");
+    assert_eq!(err.kind, ErrorKind::Violation, "{}", err.message);
+    let (id, kind) = &**err.violation.as_ref().expect("violation details");
+    assert_eq!(kind, scenario.expected.name(), "{report}");
+    assert!(err.message.contains(id.as_str()), "{}", err.message);
+    assert!(
+        report.contains(id.as_str()) && report.contains(kind.as_str()),
+        "{report}"
+    );
+    assert!(sanitizer.count(scenario.expected) >= 1);
+    assert_bystander_and_victim(fault, &run);
+}
+
+#[allow(
+    dead_code,
+    reason = "listed by kernel_check_tests! for the faults the kernel sees"
+)]
+fn kernel_check_alone_aborts_the_probe(fault: Fault) {
+    let scenario = Scenario::of(fault);
+    assert!(scenario.kernel_check_catches);
+    let run = {
+        let _turn = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+        let model = scenario_model().expect("synthetic model");
+        scenario
+            .run(&model, Hooks::none(), AttentionCheck::Generations, 1, true)
+            .expect("engine")
+    };
+    let err = run.probe.as_ref().expect_err("the probe must be aborted");
+    assert_eq!(err.kind, ErrorKind::Violation, "{}", err.message);
+    let (_, kind) = &**err.violation.as_ref().expect("violation details");
+    assert_eq!(kind, "stale-read", "{}", err.message);
+    assert_bystander_and_victim(fault, &run);
+}
+
+macro_rules! fault_tests {
+    ($($module:ident => $fault:expr),* $(,)?) => {
+        /// Every fault the build knows has its tests below.
+        #[test]
+        fn every_fault_has_leak_oracle_tests() {
+            let covered = [$($fault),*];
+            for f in Fault::ALL {
+                assert!(covered.contains(&f), "no leak-oracle tests for {}", f.name());
+            }
+        }
+        $(
+            mod $module {
+                use super::*;
+
+                #[test]
+                fn injected_without_the_sanitizer_the_probe_depends_on_the_victim() {
+                    injected_leaks($fault);
+                }
+
+                #[test]
+                fn not_injected_the_probe_does_not_depend_on_the_victim() {
+                    fault_off_is_noninterfering($fault);
+                }
+
+                #[test]
+                fn injected_with_the_sanitizer_the_probe_is_aborted_and_the_others_finish() {
+                    sanitized_aborts_the_probe($fault);
+                }
+
+            }
+        )*
+    };
+}
+
+fault_tests! {
+    reject_as_placeholder => Fault::RejectAsPlaceholder,
+    short_transfer => Fault::ShortTransfer,
+}
+
+macro_rules! kernel_check_tests {
+    ($($name:ident => $fault:expr),* $(,)?) => {
+        /// Every fault whose scenario says the kernel check catches it is tested.
+        #[test]
+        fn every_fault_the_kernel_check_sees_is_tested() {
+            let covered: [Fault; 0 $(+ { let _ = $fault; 1 })*] = [$($fault),*];
+            for s in Scenario::all().filter(|s| s.kernel_check_catches) {
+                assert!(covered.contains(&s.fault), "no kernel-check test for {}", s.fault.name());
+            }
+        }
+        $(
+            #[test]
+            fn $name() {
+                kernel_check_alone_aborts_the_probe($fault);
+            }
+        )*
+    };
+}
+
+kernel_check_tests! {}
+
+#[test]
+fn not_injected_the_oversize_probe_is_rejected_at_the_prefill_pool_limit() {
+    let run = unsanitized(Fault::RejectAsPlaceholder, 1, false);
+    let err = run.probe.expect_err("rejected");
+    assert_eq!(err.kind, ErrorKind::Rejected);
+    assert_eq!(
+        err.rejection.as_ref().map(|r| (r.limit, r.node.as_str())),
+        Some((256, "prefill"))
+    );
+}
