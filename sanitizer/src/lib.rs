@@ -10,6 +10,7 @@
 //!
 //! | module | what lives there |
 //! | --- | --- |
+//! | `abi` | the C ABI: `#[repr(C)]` hook table, page refs, manifests, verdicts, status codes |
 //! | `ids` | pool, page, generation, request, tenant, owner ids |
 //! | `geometry` | `PoolGeometry`, `NodeRole` |
 //! | `shadow` | per-page state word, owner, written bitmap; lock-free transitions |
@@ -24,6 +25,7 @@
 //! | `sanitizer` | the `Sanitizer` facade and its hooks |
 #![warn(missing_docs)]
 
+pub mod abi;
 pub mod error;
 pub mod geometry;
 pub mod history;

@@ -1,0 +1,655 @@
+//! The C ABI of the sanitizer: the `#[repr(C)]` types, constants and
+//! function types that a library (the LD_PRELOAD shim) and an engine share,
+//! and their conversions to and from this crate's types.
+//!
+//! Two users speak it: an engine that looks up the hook table a preloaded
+//! library exports (the NVTX injection pattern), and an engine written in C,
+//! C++ or Python that calls the library's plain C functions. The C header
+//! `shim/include/kvsan.h` declares the same layout; a test compiles it and
+//! compares every size and offset with these types.
+//!
+//! ```text
+//!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
+//!
+//!  KvsanHookTable (96 bytes on LP64, #[repr(C)], version 1.0)
+//!  offset size
+//!  +----+----+---------------------------------------------------------------+
+//!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
+//!  |  4 |  2 | version_major   u16  1; another major is not attached          |
+//!  |  6 |  2 | version_minor   u16  0; a newer minor only appends fields      |
+//!  |  8 |  4 | flags           u32  bit 0 KVSAN_FLAG_POISON: poison freed pages|
+//!  | 12 |  4 | quarantine_pages u32 freed pages held back before reuse       |
+//!  | 16 |  8 | ctx             void* passed as first argument to every hook  |
+//!  | 24 |  8 | pool_register   (ctx, const KvsanPoolGeometry*, u32 *pool_out) |
+//!  | 32 |  8 | request_event   (ctx, KvsanOwner, u32 event)                   |
+//!  | 40 |  8 | alloc           (ctx, u32 pool, KvsanOwner, KvsanPageRef, u64 step)
+//!  | 48 |  8 | free            (ctx, u32 pool, KvsanOwner, KvsanPageRef, u64 step)
+//!  | 56 |  8 | write           (ctx, u32 pool, KvsanOwner, KvsanPageRef,      |
+//!  |    |    |                  KvsanRange slots, KvsanRange layers, u64 step)|
+//!  | 64 |  8 | read            (ctx, u32 pool, KvsanOwner, const KvsanPageRef*,|
+//!  |    |    |                  size_t n, u64 tokens, KvsanRange layers, u64 step)
+//!  | 72 |  8 | transfer_send   (ctx, u32 pool, const KvsanManifest*)          |
+//!  | 80 |  8 | transfer_recv   (ctx, u32 pool, const KvsanManifest*)          |
+//!  | 88 |  8 | transfer_commit (ctx, u32 pool, KvsanOwner, const KvsanPageRef*,|
+//!  |    |    |                  size_t n, u64 committed_tokens)               |
+//!  +----+----+---------------------------------------------------------------+
+//!  every hook returns KvsanVerdict by value:
+//!  +----+----+---------------------------------------------------------------+
+//!  |  0 |  4 | code         u32  0 continue, 1 abort the request, 2 error    |
+//!  |  4 |  4 | kind         u32  index into ViolationKind::ALL (code 1)      |
+//!  |  8 |  8 | violation_id u64  the id the library's report names (code 1)  |
+//!  +----+----+---------------------------------------------------------------+
+//!
+//!  KvsanOwner       { u64 request; u32 tenant; u32 reserved (0) }       16 bytes
+//!  KvsanPageRef     { u32 page; u32 generation }                          8 bytes
+//!  KvsanRange       { u32 start; u32 end }   (half-open)                  8 bytes
+//!  KvsanPoolGeometry{ u32 pages, page_slots, layers, role (0 unified,
+//!                     1 prefill, 2 decode); u64 bytes_per_slot;
+//!                     const u8 *node; size_t node_len (UTF-8) }          32 bytes
+//!  KvsanManifest    { KvsanOwner request; u32 src_pool, dst_pool;
+//!                     const KvsanPageRef *src_pages; size_t src_len;
+//!                     const KvsanPageRef *dst_pages; size_t dst_len;
+//!                     u32 first_token, tokens; KvsanRange layers;
+//!                     u64 checksum }                                     72 bytes
+//!  request events:  0 queued 1 admitted 2 prefilling 3 transferring
+//!                   4 decoding 5 finished 6 rejected 7 aborted
+//! ```
+//!
+//! The rules an engine applies to a table (validation, fail-closed verdicts)
+//! are the engine's; the library's side is: `size` first and accurate, every
+//! hook non-null, hooks callable from any thread for the rest of the process,
+//! code 2 (error) for a call it could not check (an unknown pool, a page out
+//! of range) — never undefined behaviour.
+//!
+//! The plain C functions of the library return an [`AbiStatus`] code
+//! (`KVSAN_OK` or a negative `KVSAN_ERR_*`); [`status_of`] maps a
+//! [`SanitizerError`] to its code.
+
+use std::ffi::{CStr, c_void};
+use std::ops::Range;
+
+use crate::{
+    Generation, Manifest, NodeRole, Owner, PageId, PageRef, PoolGeometry, PoolId, RequestEvent,
+    RequestId, SanitizerError, TenantId, Verdict, ViolationKind,
+};
+
+/// The exported getter the engine looks up: `const KvsanHookTable *kvsan_hook_table_v1(void)`.
+pub const HOOK_TABLE_SYMBOL: &CStr = c"kvsan_hook_table_v1";
+/// The table's major version (another major is not compatible).
+pub const HOOK_TABLE_VERSION_MAJOR: u16 = 1;
+/// The table's minor version (a newer minor only appends fields).
+pub const HOOK_TABLE_VERSION_MINOR: u16 = 0;
+/// `flags` bit: poison-fill freed pages.
+pub const KVSAN_FLAG_POISON: u32 = 1;
+/// Verdict code: go on.
+pub const KVSAN_VERDICT_CONTINUE: u32 = 0;
+/// Verdict code: abort the request the call concerns.
+pub const KVSAN_VERDICT_ABORT: u32 = 1;
+/// Verdict code: the library could not check the call (misuse); go on.
+pub const KVSAN_VERDICT_ERROR: u32 = 2;
+
+/// A request and its tenant.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvsanOwner {
+    /// The request id.
+    pub request: u64,
+    /// The tenant id.
+    pub tenant: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// A block-table entry: page and the generation it was handed out at.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvsanPageRef {
+    /// Page index in its pool.
+    pub page: u32,
+    /// The page's generation when it was allocated.
+    pub generation: u32,
+}
+
+/// A half-open range `start..end`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvsanRange {
+    /// First index.
+    pub start: u32,
+    /// One past the last index.
+    pub end: u32,
+}
+
+/// A pool's shape ([`PoolGeometry`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvsanPoolGeometry {
+    /// Pages in the pool.
+    pub pages: u32,
+    /// Token slots per page.
+    pub page_slots: u32,
+    /// Layers.
+    pub layers: u32,
+    /// 0 unified, 1 prefill, 2 decode.
+    pub role: u32,
+    /// Bytes of KV per slot per layer.
+    pub bytes_per_slot: u64,
+    /// The node's name, UTF-8, not NUL-terminated.
+    pub node: *const u8,
+    /// Bytes of `node`.
+    pub node_len: usize,
+}
+
+/// A KV transfer's claim ([`Manifest`]), arrays as pointer and length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvsanManifest {
+    /// The request whose KV moves.
+    pub request: KvsanOwner,
+    /// The sender's pool.
+    pub src_pool: u32,
+    /// The receiver's pool.
+    pub dst_pool: u32,
+    /// The sender's block table, from token 0.
+    pub src_pages: *const KvsanPageRef,
+    /// Entries of `src_pages`.
+    pub src_len: usize,
+    /// The receiver's block table, from token 0.
+    pub dst_pages: *const KvsanPageRef,
+    /// Entries of `dst_pages`.
+    pub dst_len: usize,
+    /// First token carried.
+    pub first_token: u32,
+    /// Tokens carried.
+    pub tokens: u32,
+    /// Layers carried.
+    pub layers: KvsanRange,
+    /// The engine's checksum of the bytes.
+    pub checksum: u64,
+}
+
+/// What every hook returns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvsanVerdict {
+    /// [`KVSAN_VERDICT_CONTINUE`], [`KVSAN_VERDICT_ABORT`] or [`KVSAN_VERDICT_ERROR`].
+    pub code: u32,
+    /// With code 1: the index of the kind in [`ViolationKind::ALL`].
+    pub kind: u32,
+    /// With code 1: the violation's id.
+    pub violation_id: u64,
+}
+
+/// `pool_register`: code 0 and `*pool_out` set, or a refusal.
+pub type PoolRegisterFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    geometry: *const KvsanPoolGeometry,
+    pool_out: *mut u32,
+) -> KvsanVerdict;
+/// `request_event`.
+pub type RequestEventFn =
+    unsafe extern "C" fn(ctx: *mut c_void, owner: KvsanOwner, event: u32) -> KvsanVerdict;
+/// `alloc` and `free`.
+pub type PageFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    step: u64,
+) -> KvsanVerdict;
+/// `write`.
+pub type WriteFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    slots: KvsanRange,
+    layers: KvsanRange,
+    step: u64,
+) -> KvsanVerdict;
+/// `read`.
+pub type ReadFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    table: *const KvsanPageRef,
+    table_len: usize,
+    tokens: u64,
+    layers: KvsanRange,
+    step: u64,
+) -> KvsanVerdict;
+/// `transfer_send` and `transfer_recv`.
+pub type TransferFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    pool: u32,
+    manifest: *const KvsanManifest,
+) -> KvsanVerdict;
+/// `transfer_commit`.
+pub type CommitFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    table: *const KvsanPageRef,
+    table_len: usize,
+    committed_tokens: u64,
+) -> KvsanVerdict;
+
+/// The versioned hook table (layout in the module documentation). A null
+/// function pointer makes the table invalid.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvsanHookTable {
+    /// `size_of::<KvsanHookTable>()` as the library was built.
+    pub size: u32,
+    /// [`HOOK_TABLE_VERSION_MAJOR`].
+    pub version_major: u16,
+    /// The library's minor version.
+    pub version_minor: u16,
+    /// [`KVSAN_FLAG_POISON`] and future flags.
+    pub flags: u32,
+    /// Freed pages the engine holds back before reuse.
+    pub quarantine_pages: u32,
+    /// Passed to every hook.
+    pub ctx: *mut c_void,
+    /// `pool_register`: see the module documentation.
+    pub pool_register: Option<PoolRegisterFn>,
+    /// `request_event`: see the module documentation.
+    pub request_event: Option<RequestEventFn>,
+    /// `alloc`: see the module documentation.
+    pub alloc: Option<PageFn>,
+    /// `free`: see the module documentation.
+    pub free: Option<PageFn>,
+    /// `write`: see the module documentation.
+    pub write: Option<WriteFn>,
+    /// `read`: see the module documentation.
+    pub read: Option<ReadFn>,
+    /// `transfer_send`: see the module documentation.
+    pub transfer_send: Option<TransferFn>,
+    /// `transfer_recv`: see the module documentation.
+    pub transfer_recv: Option<TransferFn>,
+    /// `transfer_commit`: see the module documentation.
+    pub transfer_commit: Option<CommitFn>,
+}
+
+/// The getter's type.
+pub type HookTableGetter = unsafe extern "C" fn() -> *const KvsanHookTable;
+
+// The engine hands `&[PageRef]` to C as `const KvsanPageRef *` without
+// copying: the two must have one layout.
+const _: () = {
+    assert!(size_of::<PageRef>() == size_of::<KvsanPageRef>());
+    assert!(align_of::<PageRef>() == align_of::<KvsanPageRef>());
+    assert!(std::mem::offset_of!(PageRef, page) == std::mem::offset_of!(KvsanPageRef, page));
+    assert!(
+        std::mem::offset_of!(PageRef, generation) == std::mem::offset_of!(KvsanPageRef, generation)
+    );
+};
+
+impl From<Owner> for KvsanOwner {
+    fn from(o: Owner) -> Self {
+        KvsanOwner {
+            request: o.request.0,
+            tenant: o.tenant.0,
+            reserved: 0,
+        }
+    }
+}
+
+impl From<KvsanOwner> for Owner {
+    fn from(o: KvsanOwner) -> Self {
+        Owner {
+            request: RequestId(o.request),
+            tenant: TenantId(o.tenant),
+        }
+    }
+}
+
+impl From<PageRef> for KvsanPageRef {
+    fn from(p: PageRef) -> Self {
+        KvsanPageRef {
+            page: p.page.0,
+            generation: p.generation.0,
+        }
+    }
+}
+
+impl From<KvsanPageRef> for PageRef {
+    fn from(p: KvsanPageRef) -> Self {
+        PageRef {
+            page: PageId(p.page),
+            generation: Generation(p.generation),
+        }
+    }
+}
+
+impl From<Range<u32>> for KvsanRange {
+    fn from(r: Range<u32>) -> Self {
+        KvsanRange {
+            start: r.start,
+            end: r.end,
+        }
+    }
+}
+
+impl From<KvsanRange> for Range<u32> {
+    fn from(r: KvsanRange) -> Self {
+        r.start..r.end
+    }
+}
+
+impl From<Verdict> for KvsanVerdict {
+    fn from(v: Verdict) -> Self {
+        match v {
+            Verdict::Continue => KvsanVerdict::CONTINUE,
+            Verdict::Abort { violation, kind } => KvsanVerdict {
+                code: KVSAN_VERDICT_ABORT,
+                kind: kind.index() as u32,
+                violation_id: violation.0,
+            },
+        }
+    }
+}
+
+impl KvsanVerdict {
+    /// Go on.
+    pub const CONTINUE: KvsanVerdict = KvsanVerdict {
+        code: KVSAN_VERDICT_CONTINUE,
+        kind: 0,
+        violation_id: 0,
+    };
+    /// The call could not be checked.
+    pub const ERROR: KvsanVerdict = KvsanVerdict {
+        code: KVSAN_VERDICT_ERROR,
+        kind: 0,
+        violation_id: 0,
+    };
+}
+
+/// The C code of a node role (0 unified, 1 prefill, 2 decode).
+#[must_use]
+pub const fn role_code(role: NodeRole) -> u32 {
+    match role {
+        NodeRole::Unified => 0,
+        NodeRole::Prefill => 1,
+        NodeRole::Decode => 2,
+    }
+}
+
+/// The node role of a C code.
+#[must_use]
+pub const fn role_from_code(code: u32) -> Option<NodeRole> {
+    match code {
+        0 => Some(NodeRole::Unified),
+        1 => Some(NodeRole::Prefill),
+        2 => Some(NodeRole::Decode),
+        _ => None,
+    }
+}
+
+/// The request events in C code order (the code is the index).
+pub const REQUEST_EVENTS: [RequestEvent; 8] = [
+    RequestEvent::Queued,
+    RequestEvent::Admitted,
+    RequestEvent::Prefilling,
+    RequestEvent::Transferring,
+    RequestEvent::Decoding,
+    RequestEvent::Finished,
+    RequestEvent::Rejected,
+    RequestEvent::Aborted,
+];
+
+/// The C code of a request event.
+#[must_use]
+pub const fn event_code(event: RequestEvent) -> u32 {
+    match event {
+        RequestEvent::Queued => 0,
+        RequestEvent::Admitted => 1,
+        RequestEvent::Prefilling => 2,
+        RequestEvent::Transferring => 3,
+        RequestEvent::Decoding => 4,
+        RequestEvent::Finished => 5,
+        RequestEvent::Rejected => 6,
+        RequestEvent::Aborted => 7,
+    }
+}
+
+/// The request event of a C code.
+#[must_use]
+pub fn event_from_code(code: u32) -> Option<RequestEvent> {
+    REQUEST_EVENTS.get(code as usize).copied()
+}
+
+impl KvsanPoolGeometry {
+    /// The C view of `g`, borrowing its node name.
+    #[must_use]
+    pub fn borrow(g: &PoolGeometry) -> KvsanPoolGeometry {
+        KvsanPoolGeometry {
+            pages: g.pages,
+            page_slots: g.page_slots,
+            layers: g.layers,
+            role: role_code(g.role),
+            bytes_per_slot: g.bytes_per_slot,
+            node: g.node.as_ptr(),
+            node_len: g.node.len(),
+        }
+    }
+
+    /// The Rust geometry; `None` for an unknown role or a name that is not
+    /// UTF-8.
+    ///
+    /// # Safety
+    /// - `node` is null with `node_len` 0, or points to `node_len` readable bytes.
+    #[must_use]
+    pub unsafe fn to_geometry(&self) -> Option<PoolGeometry> {
+        // SAFETY: the caller guarantees `node`/`node_len` describe readable
+        // bytes (or an empty name).
+        let node = unsafe { slice_or_empty(self.node, self.node_len) }?;
+        Some(PoolGeometry {
+            pages: self.pages,
+            page_slots: self.page_slots,
+            layers: self.layers,
+            bytes_per_slot: self.bytes_per_slot,
+            role: role_from_code(self.role)?,
+            node: std::str::from_utf8(node).ok()?.to_string(),
+        })
+    }
+}
+
+/// `ptr[..len]`, or `None` for a null pointer with a non-zero length.
+///
+/// # Safety
+/// - `ptr` is null, or points to `len` readable, initialised `T`s that stay
+///   unchanged for the returned lifetime.
+pub unsafe fn slice_or_empty<'a, T>(ptr: *const T, len: usize) -> Option<&'a [T]> {
+    if len == 0 {
+        return Some(&[]);
+    }
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: non-null with `len` readable elements, by the caller's contract.
+    Some(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+impl KvsanManifest {
+    /// The C view of `m`, borrowing its block tables.
+    #[must_use]
+    pub fn borrow(m: &Manifest) -> KvsanManifest {
+        KvsanManifest {
+            request: m.request.into(),
+            src_pool: m.src_pool.0,
+            dst_pool: m.dst_pool.0,
+            src_pages: m.src_pages.as_ptr().cast(),
+            src_len: m.src_pages.len(),
+            dst_pages: m.dst_pages.as_ptr().cast(),
+            dst_len: m.dst_pages.len(),
+            first_token: m.first_token,
+            tokens: m.tokens,
+            layers: m.layers.clone().into(),
+            checksum: m.checksum,
+        }
+    }
+
+    /// The Rust manifest; `None` if a table pointer is null with a non-zero
+    /// length.
+    ///
+    /// # Safety
+    /// - `src_pages`/`src_len` and `dst_pages`/`dst_len` each describe
+    ///   readable `KvsanPageRef`s (or a length of 0).
+    #[must_use]
+    pub unsafe fn to_manifest(&self) -> Option<Manifest> {
+        // SAFETY: the caller guarantees both pointer/length pairs.
+        let (src, dst) = unsafe {
+            (
+                slice_or_empty(self.src_pages, self.src_len)?,
+                slice_or_empty(self.dst_pages, self.dst_len)?,
+            )
+        };
+        Some(Manifest {
+            request: self.request.into(),
+            src_pool: PoolId(self.src_pool),
+            src_pages: src.iter().map(|&p| p.into()).collect(),
+            dst_pool: PoolId(self.dst_pool),
+            dst_pages: dst.iter().map(|&p| p.into()).collect(),
+            first_token: self.first_token,
+            tokens: self.tokens,
+            layers: self.layers.into(),
+            checksum: self.checksum,
+        })
+    }
+}
+
+/// The status a plain C function of the library returns: [`KVSAN_OK`] (0)
+/// or a negative `KVSAN_ERR_*` code. A verdict (continue / abort) is not a
+/// status: a checked call returns `KVSAN_OK` and writes its verdict.
+pub type AbiStatus = i32;
+
+macro_rules! abi_statuses {
+    ($($name:ident = $value:literal, $text:literal;)*) => {
+        $(
+            #[doc = concat!($text, ".")]
+            pub const $name: AbiStatus = $value;
+        )*
+
+        /// Every status code with its C name, in code order (0, -1, -2, …).
+        pub const STATUSES: &[(AbiStatus, &str)] = &[$(($value, stringify!($name))),*];
+
+        /// What a status code means, or `None` for a code this library does
+        /// not define.
+        #[must_use]
+        pub const fn status_text(status: AbiStatus) -> Option<&'static str> {
+            match status {
+                $($value => Some($text),)*
+                _ => None,
+            }
+        }
+    };
+}
+
+abi_statuses! {
+    KVSAN_OK = 0, "the call was carried out";
+    KVSAN_ERR_NULL = -1, "a required pointer argument is null";
+    KVSAN_ERR_SIZE = -2, "a struct size argument is not the size this library knows";
+    KVSAN_ERR_VERSION = -3, "the caller's ABI version is not one this library speaks";
+    KVSAN_ERR_NOT_ATTACHED = -4, "the library refused to attach (bad KVSAN_OPTIONS or log file); nothing is checked";
+    KVSAN_ERR_UNKNOWN_POOL = -5, "the pool id was never returned by pool registration";
+    KVSAN_ERR_OUT_OF_RANGE = -6, "a page, slot, layer or token range is outside the pool or block table";
+    KVSAN_ERR_INVALID_ARGUMENT = -7, "an argument has a value the ABI does not define (event or role code, reserved field, non-UTF-8 name)";
+    KVSAN_ERR_BAD_GEOMETRY = -8, "the pool geometry cannot be shadowed";
+    KVSAN_ERR_TOO_MANY_POOLS = -9, "the pool limit is reached";
+    KVSAN_ERR_GENERATION = -10, "the caller's page generation differs from the shadow's (the two count allocations differently)";
+    KVSAN_ERR_INTERNAL = -11, "the library failed inside (a caught panic or an error it has no code for); it wrote a report";
+}
+
+/// The status code of a sanitizer error.
+#[must_use]
+pub const fn status_of(error: &SanitizerError) -> AbiStatus {
+    match error {
+        SanitizerError::UnknownPool { .. } => KVSAN_ERR_UNKNOWN_POOL,
+        SanitizerError::TooManyPools { .. } => KVSAN_ERR_TOO_MANY_POOLS,
+        SanitizerError::PageOutOfRange { .. }
+        | SanitizerError::SlotOutOfRange { .. }
+        | SanitizerError::LayerOutOfRange { .. }
+        | SanitizerError::TokensBeyondTable { .. } => KVSAN_ERR_OUT_OF_RANGE,
+        SanitizerError::BadGeometry { .. } => KVSAN_ERR_BAD_GEOMETRY,
+        SanitizerError::UnknownOption { .. }
+        | SanitizerError::BadOptionValue { .. }
+        | SanitizerError::MalformedOption { .. }
+        | SanitizerError::LogFile { .. } => KVSAN_ERR_NOT_ATTACHED,
+    }
+}
+
+/// The library's ABI version as one number: `major << 16 | minor`.
+pub const ABI_VERSION: u32 =
+    ((HOOK_TABLE_VERSION_MAJOR as u32) << 16) | HOOK_TABLE_VERSION_MINOR as u32;
+
+/// Whether a caller built against ABI version `caller` (`major << 16 |
+/// minor`) can use this library: the same major, and a minor no newer than
+/// this library's (a newer caller may use functions this library lacks).
+#[must_use]
+pub const fn version_compatible(caller: u32) -> bool {
+    caller >> 16 == HOOK_TABLE_VERSION_MAJOR as u32
+        && (caller & 0xffff) <= HOOK_TABLE_VERSION_MINOR as u32
+}
+
+/// The violation kind a verdict's `kind` index names, or `None` past the list.
+#[must_use]
+pub fn kind_of_index(index: u32) -> Option<ViolationKind> {
+    ViolationKind::ALL.get(index as usize).copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_codes_are_dense_negative_and_named_kvsan_err() {
+        for (i, &(code, name)) in STATUSES.iter().enumerate() {
+            assert_eq!(code, -(i as i32), "{name}");
+            assert!(
+                name == "KVSAN_OK" || name.starts_with("KVSAN_ERR_"),
+                "{name}"
+            );
+            assert!(status_text(code).is_some());
+        }
+        assert_eq!(status_text(1), None);
+        assert_eq!(status_text(-(STATUSES.len() as i32)), None);
+    }
+
+    #[test]
+    fn only_the_same_major_and_an_older_or_equal_minor_are_compatible() {
+        assert!(version_compatible(ABI_VERSION));
+        assert!(version_compatible(ABI_VERSION & !0xffff));
+        assert!(!version_compatible(ABI_VERSION + 1));
+        assert!(!version_compatible(ABI_VERSION + (1 << 16)));
+        assert!(!version_compatible(0));
+    }
+
+    #[test]
+    fn c_codes_round_trip() {
+        for (i, &e) in REQUEST_EVENTS.iter().enumerate() {
+            assert_eq!(event_code(e) as usize, i);
+            assert_eq!(event_from_code(i as u32), Some(e));
+        }
+        assert_eq!(event_from_code(REQUEST_EVENTS.len() as u32), None);
+        for role in [NodeRole::Unified, NodeRole::Prefill, NodeRole::Decode] {
+            assert_eq!(role_from_code(role_code(role)), Some(role));
+        }
+        assert_eq!(role_from_code(3), None);
+    }
+
+    #[test]
+    fn geometry_with_a_null_name_and_a_length_is_refused() {
+        let g = KvsanPoolGeometry {
+            pages: 4,
+            page_slots: 16,
+            layers: 2,
+            role: 0,
+            bytes_per_slot: 64,
+            node: std::ptr::null(),
+            node_len: 3,
+        };
+        // SAFETY: a null name with a length is exactly what is refused; nothing is read.
+        assert!(unsafe { g.to_geometry() }.is_none());
+    }
+}
