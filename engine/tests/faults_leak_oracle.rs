@@ -7,8 +7,10 @@
 //!   outcome changes when only the victim's prompt changes — the fault
 //!   really leaks;
 //! - not injected: the probe's outcome is the same for both victims;
-//! - injected, with the sanitizer: the probe is aborted with the expected
-//!   violation kind, the report names it, the bystander finishes;
+//! - injected, with the sanitizer: the culprit (the probe, or the victim
+//!   whose faulty write would land in the probe's pages) is aborted with the
+//!   expected violation kind, the report names it, the bystander finishes,
+//!   and a probe that is not the culprit gets the correct engine's outcome;
 //! - for the faults the checked attention kernel can see on its own
 //!   (hooks off): the probe is aborted by the kernel's generation check.
 //!
@@ -20,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use kvsan_engine::engine::Output;
 use kvsan_engine::faults::Fault;
 use kvsan_engine::faults::scenario::{
-    BYSTANDER_TOKENS, Scenario, ScenarioRun, VictimEnd, scenario_model,
+    BYSTANDER_TOKENS, Culprit, Scenario, ScenarioRun, VictimEnd, scenario_model,
 };
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
@@ -102,6 +104,9 @@ fn assert_bystander_and_victim(fault: Fault, run: &ScenarioRun) {
             .len(),
         BYSTANDER_TOKENS
     );
+    if scenario.culprit == Culprit::Victim {
+        return;
+    }
     match scenario.victim_end {
         VictimEnd::Finishes => {
             run.victim.as_ref().expect("the victim finishes");
@@ -113,7 +118,31 @@ fn assert_bystander_and_victim(fault: Fault, run: &ScenarioRun) {
     }
 }
 
-fn sanitized_aborts_the_probe(fault: Fault) {
+/// The culprit's error: aborted for a violation; returns its id and kind.
+fn aborted(culprit: &Result<Output, RequestError>) -> (String, String) {
+    let err = culprit.as_ref().expect_err("the culprit must be aborted");
+    assert_eq!(err.kind, ErrorKind::Violation, "{}", err.message);
+    let (id, kind) = (**err.violation.as_ref().expect("violation details")).clone();
+    assert!(err.message.contains(id.as_str()), "{}", err.message);
+    (id, kind)
+}
+
+fn culprit(fault: Fault, run: &ScenarioRun) -> &Result<Output, RequestError> {
+    match Scenario::of(fault).culprit {
+        Culprit::Probe => &run.probe,
+        Culprit::Victim => &run.victim,
+    }
+}
+
+/// With the victim stopped, the probe gets what a correct engine gives it.
+fn assert_probe_as_without_the_fault(fault: Fault, run: &ScenarioRun) {
+    if Scenario::of(fault).culprit == Culprit::Victim {
+        let correct = unsanitized(fault, 1, false);
+        assert_eq!(seen(&run.probe), seen(&correct.probe), "{}", fault.name());
+    }
+}
+
+fn sanitized_aborts_the_culprit(fault: Fault) {
     let scenario = Scenario::of(fault);
     let sink = Sink::default();
     let sanitizer = Arc::new(Sanitizer::with_writer(
@@ -134,24 +163,22 @@ fn sanitized_aborts_the_probe(fault: Fault) {
             .expect("engine")
     };
     let report = String::from_utf8(sink.0.lock().expect("sink").clone()).expect("utf-8");
-    let err = run.probe.as_ref().expect_err("the probe must be aborted");
-    assert_eq!(err.kind, ErrorKind::Violation, "{}", err.message);
-    let (id, kind) = &**err.violation.as_ref().expect("violation details");
+    let (id, kind) = aborted(culprit(fault, &run));
     assert_eq!(kind, scenario.expected.name(), "{report}");
-    assert!(err.message.contains(id.as_str()), "{}", err.message);
     assert!(
         report.contains(id.as_str()) && report.contains(kind.as_str()),
         "{report}"
     );
     assert!(sanitizer.count(scenario.expected) >= 1);
     assert_bystander_and_victim(fault, &run);
+    assert_probe_as_without_the_fault(fault, &run);
 }
 
 #[allow(
     dead_code,
     reason = "listed by kernel_check_tests! for the faults the kernel sees"
 )]
-fn kernel_check_alone_aborts_the_probe(fault: Fault) {
+fn kernel_check_alone_aborts_the_culprit(fault: Fault) {
     let scenario = Scenario::of(fault);
     assert!(scenario.kernel_check_catches);
     let run = {
@@ -161,11 +188,10 @@ fn kernel_check_alone_aborts_the_probe(fault: Fault) {
             .run(&model, Hooks::none(), AttentionCheck::Generations, 1, true)
             .expect("engine")
     };
-    let err = run.probe.as_ref().expect_err("the probe must be aborted");
-    assert_eq!(err.kind, ErrorKind::Violation, "{}", err.message);
-    let (_, kind) = &**err.violation.as_ref().expect("violation details");
-    assert_eq!(kind, "stale-read", "{}", err.message);
+    let (_, kind) = aborted(culprit(fault, &run));
+    assert_eq!(kind, "generation-mismatch");
     assert_bystander_and_victim(fault, &run);
+    assert_probe_as_without_the_fault(fault, &run);
 }
 
 macro_rules! fault_tests {
@@ -193,8 +219,8 @@ macro_rules! fault_tests {
                 }
 
                 #[test]
-                fn injected_with_the_sanitizer_the_probe_is_aborted_and_the_others_finish() {
-                    sanitized_aborts_the_probe($fault);
+                fn injected_with_the_sanitizer_the_culprit_is_aborted_and_the_others_finish() {
+                    sanitized_aborts_the_culprit($fault);
                 }
 
             }
@@ -220,7 +246,7 @@ macro_rules! kernel_check_tests {
         $(
             #[test]
             fn $name() {
-                kernel_check_alone_aborts_the_probe($fault);
+                kernel_check_alone_aborts_the_culprit($fault);
             }
         )*
     };

@@ -101,8 +101,10 @@ pub struct ViolationId(pub u64);
 static NEXT_VIOLATION_ID: AtomicU64 = AtomicU64::new(1);
 
 impl ViolationId {
-    /// A fresh id, unique within this process.
-    pub(crate) fn next() -> ViolationId {
+    /// A fresh id, unique within this process (also for violations an
+    /// engine finds on its own, such as a checked kernel's refusal).
+    #[must_use]
+    pub fn next() -> ViolationId {
         ViolationId(NEXT_VIOLATION_ID.fetch_add(1, Ordering::Relaxed))
     }
 }

@@ -6,8 +6,11 @@
 //! the victim. Each scenario is run twice with victims that differ only in
 //! their prompt (`victim_seed`); with the fault injected and no sanitizer the
 //! probe's outcome differs (the fault really leaks), with the fault off it is
-//! the same, and with the sanitizer the probe is aborted with
-//! [`Scenario::expected`] while the bystander finishes.
+//! the same, and with the sanitizer the culprit is aborted with
+//! [`Scenario::expected`] while the bystander finishes: the probe itself
+//! when its read would see the victim's data, or the victim when its faulty
+//! write would land in the probe's pages (then the probe's outcome is the
+//! correct engine's).
 //!
 //! The same scripts back the engine's fault tests, `kvsan replay fault NAME`
 //! and the shim's release-binary tests, so every way of running the
@@ -52,17 +55,30 @@ pub enum VictimEnd {
     Cancelled,
 }
 
+/// Which request the sanitizer aborts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Culprit {
+    /// The probe, whose read would see the victim's data.
+    Probe,
+    /// The victim, whose faulty write or transfer would land in the probe's
+    /// pages; the abort stops it before it lands, so the probe finishes with
+    /// the output of a correct engine.
+    Victim,
+}
+
 /// One fault's leak-oracle script.
 #[derive(Clone, Copy, Debug)]
 pub struct Scenario {
     /// The fault the script provokes.
     pub fault: Fault,
-    /// The violation kind the sanitizer reports for the probe.
+    /// The violation kind the sanitizer reports.
     pub expected: ViolationKind,
+    /// The request it aborts.
+    pub culprit: Culprit,
     /// Whether the checked attention kernel alone (no sanitizer hooks)
     /// refuses the probe's read.
     pub kernel_check_catches: bool,
-    /// How the victim ends.
+    /// How the victim ends when it is not the culprit.
     pub victim_end: VictimEnd,
     /// Engine settings of the scenario (pool sizes, limits).
     configure: fn(&mut EngineConfig),
@@ -78,6 +94,7 @@ impl Scenario {
             Fault::RejectAsPlaceholder => Scenario {
                 fault,
                 expected: ViolationKind::TerminalRequestActivity,
+                culprit: Culprit::Probe,
                 kernel_check_catches: false,
                 victim_end: VictimEnd::Finishes,
                 configure: |cfg| {
@@ -96,6 +113,7 @@ impl Scenario {
             Fault::ShortTransfer => Scenario {
                 fault,
                 expected: ViolationKind::ShortTransfer,
+                culprit: Culprit::Probe,
                 kernel_check_catches: false,
                 victim_end: VictimEnd::Finishes,
                 configure: |_| {},

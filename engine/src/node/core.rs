@@ -79,6 +79,23 @@ pub(crate) fn violation_error(verdict: Verdict, node: &str) -> RequestError {
     }
 }
 
+/// A checked attention kernel refused a `PageRef` whose generation is not
+/// the page's current one: the request is aborted with a violation of its
+/// own id, kind `generation-mismatch`, found without any sanitizer hook.
+fn kernel_refusal(node: &str, e: &crate::EngineError) -> RequestError {
+    let id = kvsan_sanitizer::ViolationId::next();
+    let kind = kvsan_sanitizer::ViolationKind::GenerationMismatch.name();
+    tracing::error!(node, violation = %id, kind, "checked kernel refused a read: {e}");
+    RequestError {
+        kind: ErrorKind::Violation,
+        message: format!(
+            "aborted by the checked attention kernel on the {node} node: violation {id} ({kind}): {e}"
+        ),
+        rejection: None,
+        violation: Some(Box::new((id.to_string(), kind.to_string()))),
+    }
+}
+
 impl NodeCore {
     /// A node named `name` with a pool of `n_pages` pages of `page_slots` slots.
     pub fn new(
@@ -227,10 +244,8 @@ impl NodeCore {
                     match self.forward(seqs, plan, &[i]) {
                         Ok(logits) => self.sample(seqs, plan, &[i], &logits, &mut outcomes),
                         Err(e) => {
-                            outcomes[i] = Some(ChunkOutcome::Refused(RequestError::new(
-                                ErrorKind::Violation,
-                                format!("aborted on the {} node: {e}", self.name),
-                            )));
+                            outcomes[i] =
+                                Some(ChunkOutcome::Refused(kernel_refusal(&self.name, &e)));
                         }
                     }
                 }
