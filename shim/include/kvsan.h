@@ -1,0 +1,248 @@
+/*
+ * kvsan.h — the C ABI of libkvsan_shim.so, the kvsan KV-cache sanitizer.
+ *
+ * Two uses:
+ *
+ *  1. LD_PRELOAD into an unmodified release kvsan engine: the engine looks up
+ *     kvsan_hook_table_v1 with dlsym(RTLD_DEFAULT, ...) and sends every KV page
+ *     event through the table.
+ *  2. An engine written in C, C++ or Python (ctypes) annotates its own KV
+ *     pool with the kvsan_* functions below, the way engines annotate pools
+ *     for Valgrind (mempool client requests) or compute-sanitizer (NVTX).
+ *
+ * The invariant checked: a request may read a KV slot only if that request,
+ * in the page's current generation, wrote it (computed it or received it in
+ * a completed transfer), or the page is shared with it read-only.
+ *
+ * Conventions of the kvsan_* functions:
+ *  - they return int32_t: KVSAN_OK (0) or a negative KVSAN_ERR_* code;
+ *  - a checked call returns KVSAN_OK and writes a KvsanVerdict: code
+ *    KVSAN_VERDICT_CONTINUE, or KVSAN_VERDICT_ABORT with the violation's kind
+ *    (kvsan_violation_kind_name) and id (the report on stderr names it);
+ *  - arguments are checked before anything changes: null or misaligned
+ *    pointers, struct sizes other than the library's (pass sizeof), unknown
+ *    event or role codes, a non-zero reserved field, unknown pools, pages,
+ *    slots or layers out of range are error codes, never undefined behaviour;
+ *  - a refused call is printed (the first 16) and kept as the calling
+ *    thread's last error (kvsan_last_error);
+ *  - every function may be called from any thread.
+ *
+ * Call kvsan_check_version(KVSAN_ABI_VERSION) once at start-up.
+ * The layout is checked against the library's by the kvsan test suite.
+ */
+#ifndef KVSAN_H
+#define KVSAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVSAN_ABI_VERSION_MAJOR 1
+#define KVSAN_ABI_VERSION_MINOR 0
+#define KVSAN_ABI_VERSION ((uint32_t)((KVSAN_ABI_VERSION_MAJOR << 16) | KVSAN_ABI_VERSION_MINOR))
+
+/* Status codes. */
+#define KVSAN_OK 0
+#define KVSAN_ERR_NULL (-1)             /* a required pointer argument is null */
+#define KVSAN_ERR_SIZE (-2)             /* a struct size argument is not the library's */
+#define KVSAN_ERR_VERSION (-3)          /* the caller's ABI version is not supported */
+#define KVSAN_ERR_NOT_ATTACHED (-4)     /* bad KVSAN_OPTIONS or log file: nothing is checked */
+#define KVSAN_ERR_UNKNOWN_POOL (-5)     /* pool id never returned by kvsan_pool_register */
+#define KVSAN_ERR_OUT_OF_RANGE (-6)     /* page, slot, layer or token range outside the pool/table */
+#define KVSAN_ERR_INVALID_ARGUMENT (-7) /* undefined event/role code, reserved != 0, misaligned, non-UTF-8 */
+#define KVSAN_ERR_BAD_GEOMETRY (-8)     /* a pool geometry that cannot be shadowed */
+#define KVSAN_ERR_TOO_MANY_POOLS (-9)   /* the pool limit is reached */
+#define KVSAN_ERR_GENERATION (-10)      /* the engine's page generation differs from the shadow's */
+#define KVSAN_ERR_INTERNAL (-11)        /* the library failed inside (caught); it wrote a report */
+
+/* KvsanVerdict.code */
+#define KVSAN_VERDICT_CONTINUE 0u /* go on */
+#define KVSAN_VERDICT_ABORT 1u    /* abort the request the call concerns */
+#define KVSAN_VERDICT_ERROR 2u    /* (hook table only) the call could not be checked */
+
+/* KvsanHookTable.flags */
+#define KVSAN_FLAG_POISON 1u /* the engine should poison-fill freed pages */
+
+/* KvsanPoolGeometry.role */
+#define KVSAN_ROLE_UNIFIED 0u
+#define KVSAN_ROLE_PREFILL 1u
+#define KVSAN_ROLE_DECODE 2u
+
+/* Request events (kvsan_request_event). */
+#define KVSAN_EVENT_QUEUED 0u
+#define KVSAN_EVENT_ADMITTED 1u
+#define KVSAN_EVENT_PREFILLING 2u
+#define KVSAN_EVENT_TRANSFERRING 3u
+#define KVSAN_EVENT_DECODING 4u
+#define KVSAN_EVENT_FINISHED 5u
+#define KVSAN_EVENT_REJECTED 6u
+#define KVSAN_EVENT_ABORTED 7u
+
+/* A request and the tenant it is billed to. 16 bytes. */
+typedef struct KvsanOwner {
+    uint64_t request;
+    uint32_t tenant;
+    uint32_t reserved; /* 0 */
+} KvsanOwner;
+
+/* A block-table entry: page index and the generation it was allocated at
+ * (kvsan_alloc returns it). 8 bytes. */
+typedef struct KvsanPageRef {
+    uint32_t page;
+    uint32_t generation;
+} KvsanPageRef;
+
+/* A half-open range start..end. 8 bytes. */
+typedef struct KvsanRange {
+    uint32_t start;
+    uint32_t end;
+} KvsanRange;
+
+/* A pool's shape. node: the node's name, UTF-8, not NUL-terminated. 32 bytes on LP64. */
+typedef struct KvsanPoolGeometry {
+    uint32_t pages;
+    uint32_t page_slots; /* 1..4096 */
+    uint32_t layers;     /* 1..65536 */
+    uint32_t role;       /* KVSAN_ROLE_* */
+    uint64_t bytes_per_slot;
+    const uint8_t *node;
+    size_t node_len;
+} KvsanPoolGeometry;
+
+/* What a KV transfer claims to carry. Block tables from token 0. 72 bytes on LP64. */
+typedef struct KvsanManifest {
+    KvsanOwner request;
+    uint32_t src_pool;
+    uint32_t dst_pool;
+    const KvsanPageRef *src_pages;
+    size_t src_len;
+    const KvsanPageRef *dst_pages;
+    size_t dst_len;
+    uint32_t first_token;
+    uint32_t tokens;
+    KvsanRange layers;
+    uint64_t checksum;
+} KvsanManifest;
+
+/* What a check says. 16 bytes. */
+typedef struct KvsanVerdict {
+    uint32_t code;         /* KVSAN_VERDICT_* */
+    uint32_t kind;         /* with ABORT: index of the violation kind */
+    uint64_t violation_id; /* with ABORT: the id the report names (KV-000042) */
+} KvsanVerdict;
+
+/* ---- the hook table (what a release kvsan engine looks up) ---------------- */
+
+typedef KvsanVerdict (*KvsanPoolRegisterFn)(void *ctx, const KvsanPoolGeometry *geometry,
+                                            uint32_t *pool_out);
+typedef KvsanVerdict (*KvsanRequestEventFn)(void *ctx, KvsanOwner owner, uint32_t event);
+typedef KvsanVerdict (*KvsanPageFn)(void *ctx, uint32_t pool, KvsanOwner owner, KvsanPageRef page,
+                                    uint64_t step);
+typedef KvsanVerdict (*KvsanWriteFn)(void *ctx, uint32_t pool, KvsanOwner owner, KvsanPageRef page,
+                                     KvsanRange slots, KvsanRange layers, uint64_t step);
+typedef KvsanVerdict (*KvsanReadFn)(void *ctx, uint32_t pool, KvsanOwner owner,
+                                    const KvsanPageRef *table, size_t table_len, uint64_t tokens,
+                                    KvsanRange layers, uint64_t step);
+typedef KvsanVerdict (*KvsanTransferFn)(void *ctx, uint32_t pool, const KvsanManifest *manifest);
+typedef KvsanVerdict (*KvsanCommitFn)(void *ctx, uint32_t pool, KvsanOwner owner,
+                                      const KvsanPageRef *table, size_t table_len,
+                                      uint64_t committed_tokens);
+
+/* Version 1.0, 96 bytes on LP64. `size` first; a newer minor only appends. */
+typedef struct KvsanHookTable {
+    uint32_t size;
+    uint16_t version_major;
+    uint16_t version_minor;
+    uint32_t flags; /* KVSAN_FLAG_* */
+    uint32_t quarantine_pages;
+    void *ctx;
+    KvsanPoolRegisterFn pool_register;
+    KvsanRequestEventFn request_event;
+    KvsanPageFn alloc;
+    KvsanPageFn free;
+    KvsanWriteFn write;
+    KvsanReadFn read;
+    KvsanTransferFn transfer_send;
+    KvsanTransferFn transfer_recv;
+    KvsanCommitFn transfer_commit;
+} KvsanHookTable;
+
+/* The table, valid for the rest of the process; NULL if the library refused
+ * to attach (bad KVSAN_OPTIONS). */
+const KvsanHookTable *kvsan_hook_table_v1(void);
+
+/* ---- version and state ---------------------------------------------------- */
+
+/* The library's ABI version, major << 16 | minor. */
+uint32_t kvsan_abi_version(void);
+/* KVSAN_OK if a caller built against caller_version (KVSAN_ABI_VERSION) can
+ * use this library (same major, minor not newer), else KVSAN_ERR_VERSION. */
+int32_t kvsan_check_version(uint32_t caller_version);
+/* 1 if the library attached at load (KVSAN_OPTIONS parsed), else 0. */
+int32_t kvsan_attached(void);
+
+/* ---- pools and requests --------------------------------------------------- */
+
+/* Registers a pool; geometry_size = sizeof(KvsanPoolGeometry). */
+int32_t kvsan_pool_register(const KvsanPoolGeometry *geometry, size_t geometry_size,
+                            uint32_t *pool_out);
+/* A request enters state `event` (KVSAN_EVENT_*). */
+int32_t kvsan_request_event(KvsanOwner owner, uint32_t event, KvsanVerdict *verdict_out);
+
+/* ---- page events ---------------------------------------------------------- */
+
+/* Page index `page` was taken from the free list for `owner`; writes its new
+ * KvsanPageRef (the tag to keep in the block table). */
+int32_t kvsan_alloc(uint32_t pool, KvsanOwner owner, uint32_t page, uint64_t step,
+                    KvsanPageRef *page_out, KvsanVerdict *verdict_out);
+/* `owner` returns `page`. */
+int32_t kvsan_free(uint32_t pool, KvsanOwner owner, KvsanPageRef page, uint64_t step,
+                   KvsanVerdict *verdict_out);
+/* The prefix cache shares `page` read-only with `sharer`. */
+int32_t kvsan_share(uint32_t pool, KvsanPageRef page, KvsanOwner sharer,
+                    KvsanVerdict *verdict_out);
+/* `owner` computed KV into slots x layers of `page`. */
+int32_t kvsan_write(uint32_t pool, KvsanOwner owner, KvsanPageRef page, KvsanRange slots,
+                    KvsanRange layers, uint64_t step, KvsanVerdict *verdict_out);
+/* Attention of `owner` is about to read the first `tokens` positions of the
+ * block table table[0..table_len] for `layers`. */
+int32_t kvsan_read(uint32_t pool, KvsanOwner owner, const KvsanPageRef *table, size_t table_len,
+                   uint64_t tokens, KvsanRange layers, uint64_t step, KvsanVerdict *verdict_out);
+
+/* ---- transfers (disaggregated prefill -> decode) -------------------------- */
+
+/* manifest_size = sizeof(KvsanManifest). `pool` is the caller's side. */
+int32_t kvsan_transfer_send(uint32_t pool, const KvsanManifest *manifest, size_t manifest_size,
+                            KvsanVerdict *verdict_out);
+int32_t kvsan_transfer_recv(uint32_t pool, const KvsanManifest *manifest, size_t manifest_size,
+                            KvsanVerdict *verdict_out);
+/* The receiver starts using the first committed_tokens positions of table. */
+int32_t kvsan_transfer_commit(uint32_t pool, KvsanOwner owner, const KvsanPageRef *table,
+                              size_t table_len, uint64_t committed_tokens,
+                              KvsanVerdict *verdict_out);
+
+/* ---- results and diagnostics ---------------------------------------------- */
+
+/* Violations counted so far. */
+int32_t kvsan_violation_count(uint64_t *count_out);
+/* The summary line ("kvsan: N violations (kind: n, ...)") into buf,
+ * truncated and NUL-terminated; its full length in *len_out. */
+int32_t kvsan_summary(char *buf, size_t buf_len, size_t *len_out);
+/* The calling thread's last refused call's message into buf (truncated,
+ * NUL-terminated); returns its full length, 0 if none. */
+size_t kvsan_last_error(char *buf, size_t buf_len);
+/* Calls refused since load, all threads. */
+uint64_t kvsan_refused_calls(void);
+/* "stale-read" for a KvsanVerdict.kind, or NULL. Static string. */
+const char *kvsan_violation_kind_name(uint32_t kind);
+/* "KVSAN_ERR_NULL" for a status code, or NULL. Static string. */
+const char *kvsan_status_name(int32_t status);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVSAN_H */

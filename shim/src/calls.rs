@@ -1,0 +1,340 @@
+//! The operations behind both faces of the library — the hook table and the
+//! plain C functions — on the process's sanitizer, with their C arguments
+//! checked and converted first. Both faces give the same verdicts for the
+//! same calls, and the same verdicts as the engine's in-process adapter:
+//! an error is API misuse (the call could not be checked), a violation is a
+//! verdict.
+
+use std::ops::Range;
+
+use kvsan_sanitizer::abi::{
+    KvsanManifest, KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange, event_from_code,
+    role_from_code,
+};
+use kvsan_sanitizer::{
+    Generation, Manifest, Owner, PageId, PageRef, PoolGeometry, PoolId, Sanitizer, Verdict,
+};
+
+use crate::attach::{sanitizer, say};
+use crate::error::ShimError;
+
+fn sanitizer_error(
+    call: &'static str,
+) -> impl FnOnce(kvsan_sanitizer::SanitizerError) -> ShimError {
+    move |source| ShimError::Sanitizer { call, source }
+}
+
+/// The owner of a C owner; the reserved field must be 0.
+pub(crate) fn owner(call: &'static str, owner: KvsanOwner) -> Result<Owner, ShimError> {
+    if owner.reserved != 0 {
+        return Err(ShimError::InvalidArgument {
+            call,
+            argument: "owner.reserved",
+            value: owner.reserved.into(),
+            allowed: "0",
+        });
+    }
+    Ok(owner.into())
+}
+
+fn range(r: KvsanRange) -> Range<u32> {
+    r.into()
+}
+
+/// Checks that `ptr` is non-null (when `len` > 0) and aligned for `T`.
+fn check_array<T>(
+    call: &'static str,
+    argument: &'static str,
+    ptr: *const T,
+    len: usize,
+) -> Result<(), ShimError> {
+    if len == 0 {
+        return Ok(());
+    }
+    if ptr.is_null() {
+        return Err(ShimError::Null { call, argument });
+    }
+    if !ptr.cast::<u8>().addr().is_multiple_of(align_of::<T>()) {
+        return Err(ShimError::Misaligned {
+            call,
+            argument,
+            address: ptr.addr(),
+            align: align_of::<T>(),
+        });
+    }
+    Ok(())
+}
+
+/// A C block table as the sanitizer's `PageRef`s (one layout, asserted in
+/// `kvsan_sanitizer::abi`).
+///
+/// # Safety
+/// - `ptr` is null, or points to `len` readable `KvsanPageRef`s that stay
+///   unchanged for `'a`.
+pub(crate) unsafe fn page_refs<'a>(
+    call: &'static str,
+    argument: &'static str,
+    ptr: *const KvsanPageRef,
+    len: usize,
+) -> Result<&'a [PageRef], ShimError> {
+    check_array(call, argument, ptr, len)?;
+    if len == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: non-null and aligned (checked), `len` readable elements (the
+    // caller's contract); `PageRef` has `KvsanPageRef`'s layout.
+    Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<PageRef>(), len) })
+}
+
+/// The geometry at `g`.
+///
+/// # Safety
+/// - `g` is null or points to a readable `KvsanPoolGeometry` whose
+///   `node`/`node_len` describe readable bytes (or `node_len` is 0).
+pub(crate) unsafe fn geometry(
+    call: &'static str,
+    g: *const KvsanPoolGeometry,
+) -> Result<PoolGeometry, ShimError> {
+    if g.is_null() {
+        return Err(ShimError::Null {
+            call,
+            argument: "geometry",
+        });
+    }
+    // SAFETY: non-null and readable by the caller's contract; read
+    // unaligned since nothing about the caller's memory is trusted.
+    let g = unsafe { g.read_unaligned() };
+    if role_from_code(g.role).is_none() {
+        return Err(ShimError::InvalidArgument {
+            call,
+            argument: "geometry.role",
+            value: g.role.into(),
+            allowed: "0 unified, 1 prefill, 2 decode",
+        });
+    }
+    if g.node.is_null() && g.node_len > 0 {
+        return Err(ShimError::Null {
+            call,
+            argument: "geometry.node",
+        });
+    }
+    // SAFETY: `node`/`node_len` are readable by the caller's contract (or
+    // empty); the role was checked, so `None` means a name that is not UTF-8.
+    unsafe { g.to_geometry() }.ok_or(ShimError::InvalidArgument {
+        call,
+        argument: "geometry.node (bytes that are not UTF-8; length)",
+        value: g.node_len as u64,
+        allowed: "a UTF-8 name",
+    })
+}
+
+/// The manifest at `m`.
+///
+/// # Safety
+/// - `m` is null or points to a readable `KvsanManifest` whose two block
+///   tables are readable for their lengths (or have length 0).
+pub(crate) unsafe fn manifest(
+    call: &'static str,
+    m: *const KvsanManifest,
+) -> Result<Manifest, ShimError> {
+    if m.is_null() {
+        return Err(ShimError::Null {
+            call,
+            argument: "manifest",
+        });
+    }
+    // SAFETY: non-null and readable by the caller's contract.
+    let m = unsafe { m.read_unaligned() };
+    owner(call, m.request)?;
+    check_array(call, "manifest.src_pages", m.src_pages, m.src_len)?;
+    check_array(call, "manifest.dst_pages", m.dst_pages, m.dst_len)?;
+    // SAFETY: both tables are non-null (or empty) and aligned (checked) and
+    // readable for their lengths by the caller's contract.
+    unsafe { m.to_manifest() }.ok_or(ShimError::Null {
+        call,
+        argument: "manifest.src_pages or manifest.dst_pages",
+    })
+}
+
+fn san() -> Result<&'static Sanitizer, ShimError> {
+    sanitizer()
+}
+
+/// Registers a pool; says so on stderr (which processes are sanitized is
+/// then visible in a staging log).
+pub(crate) fn pool_register(call: &'static str, g: PoolGeometry) -> Result<PoolId, ShimError> {
+    let s = san()?;
+    let (node, role, pages, slots, layers) =
+        (g.node.clone(), g.role, g.pages, g.page_slots, g.layers);
+    let id = s.pool_register(g).map_err(sanitizer_error(call))?;
+    say(format_args!(
+        "kvsan: shadowing {id} (node {node:?}, role {role:?}, {pages} pages x {slots} slots x {layers} layers)"
+    ));
+    Ok(id)
+}
+
+/// A lifecycle event by C code.
+pub(crate) fn request_event(
+    call: &'static str,
+    o: KvsanOwner,
+    event: u32,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    let event = event_from_code(event).ok_or(ShimError::InvalidArgument {
+        call,
+        argument: "event",
+        value: event.into(),
+        allowed: "0 queued .. 7 aborted",
+    })?;
+    Ok(san()?.request_event(o, event))
+}
+
+/// Allocation of page index `page`; returns the verdict and the page's new
+/// generation.
+pub(crate) fn alloc(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    page: u32,
+    step: u64,
+) -> Result<(Verdict, Generation), ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .alloc(PoolId(pool), PageId(page), o, step)
+        .map_err(sanitizer_error(call))
+}
+
+/// Allocation of `page` by an engine that counts generations itself (the
+/// hook table): a generation other than the shadow's is misuse, as in the
+/// engine's in-process adapter.
+pub(crate) fn alloc_expecting(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    page: KvsanPageRef,
+    step: u64,
+) -> Result<Verdict, ShimError> {
+    let (verdict, generation) = alloc(call, pool, o, page.page, step)?;
+    if generation.0 != page.generation && verdict.is_continue() {
+        return Err(ShimError::Generation {
+            pool,
+            page: page.page,
+            shadow: generation.0,
+            engine: page.generation,
+        });
+    }
+    Ok(verdict)
+}
+
+/// A free.
+pub(crate) fn free(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    page: KvsanPageRef,
+    step: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .free(PoolId(pool), o, page.into(), step)
+        .map_err(sanitizer_error(call))
+}
+
+/// A read-only share of `page` with `sharer` (prefix cache).
+pub(crate) fn share(
+    call: &'static str,
+    pool: u32,
+    page: KvsanPageRef,
+    sharer: KvsanOwner,
+) -> Result<Verdict, ShimError> {
+    let sharer = owner(call, sharer)?;
+    san()?
+        .share(PoolId(pool), page.into(), sharer)
+        .map_err(sanitizer_error(call))
+}
+
+/// A write of `slots` × `layers`.
+pub(crate) fn write(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    page: KvsanPageRef,
+    slots: KvsanRange,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .write(
+            PoolId(pool),
+            o,
+            page.into(),
+            range(slots),
+            range(layers),
+            step,
+        )
+        .map_err(sanitizer_error(call))
+}
+
+fn tokens(call: &'static str, argument: &'static str, tokens: u64) -> Result<usize, ShimError> {
+    usize::try_from(tokens).map_err(|_| ShimError::InvalidArgument {
+        call,
+        argument,
+        value: tokens,
+        allowed: "at most SIZE_MAX",
+    })
+}
+
+/// A read of the first `n` tokens of `table` for `layers`.
+pub(crate) fn read(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    table: &[PageRef],
+    n: u64,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    let n = tokens(call, "tokens", n)?;
+    san()?
+        .read(PoolId(pool), o, table, n, range(layers), step)
+        .map_err(sanitizer_error(call))
+}
+
+/// The sender ships `m`.
+pub(crate) fn transfer_send(
+    call: &'static str,
+    pool: u32,
+    m: &Manifest,
+) -> Result<Verdict, ShimError> {
+    san()?
+        .transfer_send(PoolId(pool), m)
+        .map_err(sanitizer_error(call))
+}
+
+/// `m`'s bytes landed.
+pub(crate) fn transfer_recv(
+    call: &'static str,
+    pool: u32,
+    m: &Manifest,
+) -> Result<Verdict, ShimError> {
+    san()?
+        .transfer_recv(PoolId(pool), m)
+        .map_err(sanitizer_error(call))
+}
+
+/// The receiver starts using the first `committed` tokens of `table`.
+pub(crate) fn transfer_commit(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    table: &[PageRef],
+    committed: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    let committed = tokens(call, "committed_tokens", committed)?;
+    san()?
+        .transfer_commit(PoolId(pool), o, table, committed)
+        .map_err(sanitizer_error(call))
+}
