@@ -168,7 +168,8 @@ pub(crate) fn pool_register(call: &'static str, g: PoolGeometry) -> Result<PoolI
         (g.node.clone(), g.role, g.pages, g.page_slots, g.layers);
     let id = s.pool_register(g).map_err(sanitizer_error(call))?;
     say(format_args!(
-        "kvsan: shadowing {id} (node {node:?}, role {role:?}, {pages} pages x {slots} slots x {layers} layers)"
+        "kvsan: shadowing {id} (node {node:?}, role {}, {pages} pages x {slots} slots x {layers} layers)",
+        role.name()
     ));
     Ok(id)
 }
