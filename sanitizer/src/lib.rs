@@ -16,6 +16,7 @@
 //! | `shadow` | per-page state word, owner, written bitmap; lock-free transitions |
 //! | `pool` | one registered pool: records, bitmaps, history, sharers, quarantine |
 //! | `history` | per-page origin ring |
+//! | `stats` | sharded counters of the checks performed |
 //! | `lifecycle` | request states and legal transitions |
 //! | `transfer` | `Manifest` |
 //! | `violation` | the list of violation kinds, ids, counters, `Verdict` |
@@ -36,6 +37,7 @@ mod pool;
 pub mod report;
 mod sanitizer;
 pub mod shadow;
+pub mod stats;
 #[doc(hidden)]
 pub mod sync;
 pub mod transfer;
@@ -50,5 +52,6 @@ pub use options::{OnViolation, Options, ReportFormat};
 pub use report::{PageReport, Report};
 pub use sanitizer::{MAX_POOLS, PageInfo, Sanitizer};
 pub use shadow::PageState;
+pub use stats::Checks;
 pub use transfer::Manifest;
 pub use violation::{Verdict, Violation, ViolationId, ViolationKind};

@@ -32,6 +32,7 @@ use crate::shadow::{
     AllocOutcome, FLAG_OWNER_RELEASED, FLAG_SHARED, FreeOutcome, PageState, PageView, ReadCheck,
     StateWord, range_mask,
 };
+use crate::stats::{CheckCounters, Checks};
 use crate::transfer::{Manifest, pages_of};
 use crate::violation::{Counters, Verdict, Violation, ViolationId, ViolationKind};
 
@@ -109,6 +110,7 @@ pub struct Sanitizer {
     registered: AtomicU32,
     lifecycle: Lifecycle,
     counters: Counters,
+    checks: CheckCounters,
     recent: Mutex<VecDeque<Violation>>,
     printed: AtomicU64,
     sink: Mutex<Sink>,
@@ -177,6 +179,7 @@ impl Sanitizer {
             registered: AtomicU32::new(0),
             lifecycle: Lifecycle::default(),
             counters: Counters::new(),
+            checks: CheckCounters::new(),
             recent: Mutex::new(VecDeque::new()),
             printed: AtomicU64::new(0),
             sink: Mutex::new(sink),
@@ -372,6 +375,7 @@ impl Sanitizer {
     ) -> Result<(Verdict, Generation), SanitizerError> {
         let shadow = self.pool(pool)?;
         let view = shadow.page(page)?;
+        self.checks.alloc();
         let mut rec = self
             .lifecycle
             .requests
@@ -438,6 +442,7 @@ impl Sanitizer {
     ) -> Result<Verdict, SanitizerError> {
         let shadow = self.pool(pool)?;
         let view = shadow.page(page.page)?;
+        self.checks.free();
         let released = match view.free_by_owner(page.generation, owner.request) {
             FreeOutcome::Released => true,
             FreeOutcome::OwnerReleased => false,
@@ -564,6 +569,7 @@ impl Sanitizer {
             }
         })?;
         self.check_layers(shadow, &layers)?;
+        self.checks.write();
         match view.write(owner.request, page.generation, slots.clone(), &layers) {
             Ok(false) => Ok(Verdict::Continue),
             Ok(true) => {
@@ -642,6 +648,8 @@ impl Sanitizer {
         let shadow = self.pool(pool)?;
         self.check_layers(shadow, &layers)?;
         Self::check_capacity(shadow, block_table.len(), tokens as u64)?;
+        let ps = shadow.geometry.page_slots as usize;
+        self.checks.read(tokens.div_ceil(ps) as u64);
         if let Some(state) = self.lifecycle.state(owner.request)
             && state.is_terminal()
         {
@@ -654,7 +662,6 @@ impl Sanitizer {
                     )),
             ));
         }
-        let ps = shadow.geometry.page_slots as usize;
         let fast = shadow.layout.complete_words == 1
             && layers.start == 0
             && layers.end == shadow.geometry.layers;
@@ -764,6 +771,7 @@ impl Sanitizer {
         let owner = manifest.request;
         self.check_layers(shadow, &manifest.layers)?;
         Self::check_capacity(shadow, manifest.src_pages.len(), manifest.token_range().end)?;
+        self.checks.transfer();
         if let Some(v) = self.terminal_transfer(owner, "sending", manifest) {
             return Ok(v);
         }
@@ -869,6 +877,7 @@ impl Sanitizer {
         let owner = manifest.request;
         self.check_layers(shadow, &manifest.layers)?;
         Self::check_capacity(shadow, manifest.dst_pages.len(), manifest.token_range().end)?;
+        self.checks.transfer();
         if let Some(v) = self.terminal_transfer(owner, "receiving", manifest) {
             return Ok(v);
         }
@@ -930,6 +939,7 @@ impl Sanitizer {
     ) -> Result<Verdict, SanitizerError> {
         let shadow = self.pool(pool)?;
         Self::check_capacity(shadow, block_table.len(), committed_tokens as u64)?;
+        self.checks.transfer();
         if let Some(state) = self.lifecycle.state(owner.request)
             && state.is_terminal()
         {
@@ -1046,10 +1056,22 @@ impl Sanitizer {
         self.counters.get(kind)
     }
 
-    /// `kvsan: N violations (stale-read: 2, …)`.
+    /// Checks performed so far, by hook (counted once the hook's arguments
+    /// are found valid, whatever the check then finds).
+    #[must_use]
+    pub fn checks(&self) -> Checks {
+        self.checks.snapshot()
+    }
+
+    /// `kvsan: N violations (stale-read: 2, …); M checks` — M is
+    /// [`Checks::total`].
     #[must_use]
     pub fn summary(&self) -> String {
-        self.counters.summary()
+        format!(
+            "{}; {} checks",
+            self.counters.summary(),
+            self.checks.snapshot().total()
+        )
     }
 
     /// Writes [`Sanitizer::summary`] to the report sink (at shutdown).

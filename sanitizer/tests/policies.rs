@@ -76,7 +76,11 @@ fn report_policy_continues_but_reports_and_counts() {
     assert!(v.is_continue());
     assert_eq!(f.san.count(ViolationKind::DoubleFree), 1);
     assert!(f.out.text().contains("kvsan: ERROR: double-free"));
-    assert_eq!(f.san.summary(), "kvsan: 1 violation (double-free: 1)");
+    // alloc, free, free: three checks.
+    assert_eq!(
+        f.san.summary(),
+        "kvsan: 1 violation (double-free: 1); 3 checks"
+    );
 }
 
 #[test]
@@ -131,7 +135,7 @@ fn print_limit_caps_printed_reports_but_counting_goes_on() {
     assert_eq!(f.san.violation_count(), 2);
     assert_eq!(
         f.san.summary(),
-        "kvsan: 2 violations (double-free: 1, foreign-free: 1)"
+        "kvsan: 2 violations (double-free: 1, foreign-free: 1); 5 checks"
     );
 }
 
@@ -180,7 +184,7 @@ fn log_path_appends_the_pid_and_receives_the_reports() {
     std::fs::remove_file(&path).unwrap();
     assert!(text.contains("kvsan: ERROR: foreign-free"), "{text}");
     assert!(
-        text.ends_with("kvsan: 1 violation (foreign-free: 1)\n"),
+        text.ends_with("kvsan: 1 violation (foreign-free: 1); 2 checks\n"),
         "{text}"
     );
 }
