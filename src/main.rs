@@ -27,6 +27,8 @@ enum Command {
     /// Replay a known leak in the real engine: without the sanitizer, with
     /// it, and with the bug fixed (needs a build with `--features faults`).
     Replay(commands::replay::Args),
+    /// Measure the sanitizer's overhead on the whole engine.
+    Bench(commands::bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -36,6 +38,7 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => (args.json, commands::tokenize::run(&args)),
         Command::Serve(args) => (false, commands::serve::run(&args)),
         Command::Replay(args) => (args.json, commands::replay::run(&args)),
+        Command::Bench(args) => (args.json(), commands::bench::run(&args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

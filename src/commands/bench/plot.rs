@@ -1,0 +1,177 @@
+//! The ratio plot: one column per (workload, pair), a dot at the median
+//! ratio and a bar from the min to the max over rounds, with the line of no
+//! overhead (1.0) and each pair's target. Plain SVG, written by hand: a few
+//! dozen elements do not need a plotting library.
+
+use std::fmt::Write;
+
+/// One column of the plot.
+pub struct Column<'a> {
+    /// Workload name (x label, first line).
+    pub workload: &'a str,
+    /// Pair name, e.g. `debug/off` (x label, second line).
+    pub pair: &'a str,
+    /// Smallest ratio over rounds.
+    pub min: f64,
+    /// Median ratio.
+    pub median: f64,
+    /// Largest ratio.
+    pub max: f64,
+    /// The pair's target ratio, if it has one.
+    pub target: Option<f64>,
+}
+
+const WIDTH_PER_COLUMN: f64 = 110.0;
+const HEIGHT: f64 = 360.0;
+const LEFT: f64 = 60.0;
+const TOP: f64 = 40.0;
+const BOTTOM: f64 = 70.0;
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// The SVG document for `columns` under `title`.
+pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
+    let width = LEFT + 20.0 + WIDTH_PER_COLUMN * columns.len().max(1) as f64;
+    let plot_h = HEIGHT - TOP - BOTTOM;
+    let (mut lo, mut hi) = (1.0f64, 1.0f64);
+    for c in columns {
+        lo = lo.min(c.min);
+        hi = hi.max(c.max).max(c.target.unwrap_or(1.0));
+    }
+    let pad = ((hi - lo) * 0.1).max(0.01);
+    let (lo, hi) = (lo - pad, hi + pad);
+    let y = |v: f64| TOP + (hi - v) / (hi - lo) * plot_h;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{HEIGHT:.0}" viewBox="0 0 {width:.0} {HEIGHT:.0}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="20" text-anchor="middle" font-size="13">{}</text>"#,
+        width / 2.0,
+        escape(title)
+    );
+    // Axis with five ticks.
+    let _ = writeln!(
+        s,
+        r#"<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{:.1}" stroke="black"/>"#,
+        TOP + plot_h
+    );
+    for i in 0..=4 {
+        let v = lo + (hi - lo) * f64::from(i) / 4.0;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{:.1}" y1="{y:.1}" x2="{LEFT}" y2="{y:.1}" stroke="black"/><text x="{:.1}" y="{:.1}" text-anchor="end">{v:.3}</text>"#,
+            LEFT - 4.0,
+            LEFT - 6.0,
+            y(v) + 4.0,
+            y = y(v)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="14" y="{:.1}" transform="rotate(-90 14 {:.1})" text-anchor="middle">time ratio to off (off tokens/s ÷ variant tokens/s)</text>"#,
+        TOP + plot_h / 2.0,
+        TOP + plot_h / 2.0
+    );
+    let _ = writeln!(
+        s,
+        r##"<line x1="{LEFT}" y1="{y1:.1}" x2="{:.1}" y2="{y1:.1}" stroke="#888" stroke-dasharray="4 3"/>"##,
+        width - 10.0,
+        y1 = y(1.0)
+    );
+    for (i, c) in columns.iter().enumerate() {
+        let x = LEFT + WIDTH_PER_COLUMN * (i as f64 + 0.5);
+        let color = if c.pair.starts_with("shim") {
+            "#c0392b"
+        } else {
+            "#2a6fb0"
+        };
+        if let Some(t) = c.target {
+            let _ = writeln!(
+                s,
+                r##"<line x1="{:.1}" y1="{yt:.1}" x2="{:.1}" y2="{yt:.1}" stroke="#2a2" stroke-width="2"><title>target {t:.2}</title></line>"##,
+                x - 30.0,
+                x + 30.0,
+                yt = y(t)
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="{color}" stroke-width="3"/><line x1="{:.1}" y1="{ymin:.1}" x2="{:.1}" y2="{ymin:.1}" stroke="{color}"/><line x1="{:.1}" y1="{ymax:.1}" x2="{:.1}" y2="{ymax:.1}" stroke="{color}"/>"#,
+            y(c.min),
+            y(c.max),
+            x - 8.0,
+            x + 8.0,
+            x - 8.0,
+            x + 8.0,
+            ymin = y(c.min),
+            ymax = y(c.max)
+        );
+        let _ = writeln!(
+            s,
+            r#"<circle cx="{x:.1}" cy="{:.1}" r="5" fill="{color}"><title>{} {}: min {:.3}, median {:.3}, max {:.3}</title></circle><text x="{:.1}" y="{:.1}">{:.3}</text>"#,
+            y(c.median),
+            escape(c.workload),
+            escape(c.pair),
+            c.min,
+            c.median,
+            c.max,
+            x + 9.0,
+            y(c.median) + 4.0,
+            c.median
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text><text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            TOP + plot_h + 18.0,
+            escape(c.workload),
+            TOP + plot_h + 32.0,
+            escape(c.pair)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<text x="{LEFT}" y="{:.1}" fill="#555">dot: median over rounds; bar: min to max; green: target; dashed: no overhead</text>"##,
+        HEIGHT - 10.0
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn svg_has_one_dot_per_column_and_escapes_labels() {
+        let cols = [
+            Column {
+                workload: "a<b",
+                pair: "debug/off",
+                min: 0.99,
+                median: 1.01,
+                max: 1.05,
+                target: Some(1.03),
+            },
+            Column {
+                workload: "a<b",
+                pair: "shim/off",
+                min: 1.0,
+                median: 1.0,
+                max: 1.0,
+                target: None,
+            },
+        ];
+        let s = svg("t", &cols);
+        assert!(s.starts_with("<svg") && s.ends_with("</svg>\n"));
+        assert_eq!(s.matches("<circle").count(), 2);
+        assert!(s.contains("a&lt;b") && !s.contains("a<b"));
+    }
+}
