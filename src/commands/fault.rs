@@ -6,8 +6,8 @@
 use std::io::Write;
 
 use kvsan_engine::engine::Output;
+use kvsan_engine::faults::Fault;
 use kvsan_engine::faults::scenario::{Culprit, Scenario, scenario_model};
-use kvsan_engine::faults::{self, Fault};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
 use kvsan_engine::request::RequestError;
@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The fault (see `kvsan_engine::faults`; e.g. `reject-as-placeholder`).
-    #[arg(value_parser = parse_fault)]
+    #[arg(value_parser = super::engine_args::parse_fault)]
     pub fault: Fault,
     /// Chooses the victim's prompt: runs with different seeds differ only
     /// in tenant A's data.
@@ -26,14 +26,6 @@ pub struct Args {
     /// Runs the scenario with the fault off (the correct engine).
     #[arg(long)]
     pub no_inject: bool,
-}
-
-fn parse_fault(name: &str) -> Result<Fault, String> {
-    let mut list = faults::parse(name)?;
-    match (list.pop(), list.is_empty()) {
-        (Some(f), true) => Ok(f),
-        _ => Err(format!("expected one fault name, got '{name}'")),
-    }
 }
 
 /// One request's outcome as JSON: its tokens, or its error's kind,

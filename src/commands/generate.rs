@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use kvsan_engine::chat::{ChatMessage, ChatTemplate};
-use kvsan_engine::engine::{Engine, EngineConfig};
+use kvsan_engine::engine::Engine;
 use kvsan_engine::model::Model;
 use kvsan_engine::request::{Event, FinishReason, Request};
 use kvsan_engine::sampler::SamplingParams;
@@ -58,25 +58,9 @@ pub struct Args {
     /// One node (`unified`) or a prefill and a decode node with separate pools (`disagg`).
     #[arg(long, value_enum, default_value_t = Topology::Unified)]
     pub topology: Topology,
-    /// Context window served (default: the model's).
-    #[arg(long)]
-    pub context: Option<usize>,
-    /// KV pool of the unified node, in tokens (default: one context).
-    #[arg(long)]
-    pub pool_tokens: Option<usize>,
-    /// KV pool of the prefill node, in tokens (default: one context).
-    #[arg(long)]
-    pub prefill_pool_tokens: Option<usize>,
-    /// KV pool of the decode node, in tokens (default: one context).
-    #[arg(long)]
-    pub decode_pool_tokens: Option<usize>,
-    /// Token slots per KV page.
-    #[arg(long, default_value_t = 16)]
-    pub page_slots: usize,
-    /// Start with a pool smaller than one full-context request (requests
-    /// that do not fit are rejected one by one).
-    #[arg(long)]
-    pub allow_pool_smaller_than_context: bool,
+    /// Engine settings.
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
     /// Tenant the request is billed to.
     #[arg(long, default_value_t = 0)]
     pub tenant: u32,
@@ -119,15 +103,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         seed: args.seed,
     };
     sampling.validate()?;
-    let cfg = EngineConfig {
-        page_slots: args.page_slots,
-        context: args.context,
-        pool_tokens: args.pool_tokens,
-        prefill_pool_tokens: args.prefill_pool_tokens,
-        decode_pool_tokens: args.decode_pool_tokens,
-        allow_pool_smaller_than_context: args.allow_pool_smaller_than_context,
-        ..EngineConfig::default()
-    };
+    let cfg = args.engine.config()?;
     let engine = match args.topology {
         Topology::Unified => Engine::unified(model.clone(), &cfg)?,
         Topology::Disagg => Engine::disaggregated(model.clone(), &cfg)?,
@@ -163,6 +139,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Err(_) => anyhow::bail!("the engine stopped before the request ended"),
         }
     };
+    cfg.hooks.print_summary();
     let first_at = first_at.unwrap_or(last_at);
     let prompt_tps = prompt_ids.len() as f64 / (first_at - started).as_secs_f64().max(1e-9);
     let decode_tps =

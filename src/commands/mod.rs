@@ -1,7 +1,8 @@
 //! One module per subcommand.
 
-pub mod fault;
 pub mod bench;
+pub mod engine_args;
+pub mod fault;
 pub mod generate;
 pub mod model_arg;
 pub mod replay;

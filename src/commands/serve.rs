@@ -23,8 +23,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use kvsan_engine::chat::ChatTemplate;
 use kvsan_engine::engine::{Engine, EngineConfig, PrefillControl, serve_prefill};
+use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::{Model, SyntheticSpec};
-use kvsan_engine::scheduler::SchedulerConfig;
 use kvsan_engine::tokenizer::Tokenizer;
 use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
 use kvsan_engine::transport::{Link, LinkDown, ToDecode};
@@ -72,31 +72,9 @@ pub struct Args {
     /// Context window of the synthetic model.
     #[arg(long, requires = "synthetic")]
     pub synthetic_context: Option<usize>,
-    /// Token slots per KV page (equal on prefill and decode nodes).
-    #[arg(long, default_value_t = 16)]
-    pub page_slots: usize,
-    /// Context window served (default: the model's).
-    #[arg(long)]
-    pub context: Option<usize>,
-    /// Tokens of the unified node's KV pool (default: one full context).
-    #[arg(long)]
-    pub pool_tokens: Option<usize>,
-    /// Tokens of the prefill node's KV pool (default: one full context).
-    #[arg(long)]
-    pub prefill_pool_tokens: Option<usize>,
-    /// Tokens of the decode node's KV pool (default: one full context).
-    #[arg(long)]
-    pub decode_pool_tokens: Option<usize>,
-    /// Start even when a pool cannot hold one full-context request; such
-    /// requests are rejected one by one, naming the pool's limit.
-    #[arg(long)]
-    pub allow_pool_smaller_than_context: bool,
-    /// Tokens computed per step at most (decode tokens and prefill chunks).
-    #[arg(long, default_value_t = SchedulerConfig::default().step_tokens)]
-    pub step_tokens: usize,
-    /// Requests running at once at most, per node.
-    #[arg(long, default_value_t = SchedulerConfig::default().max_running)]
-    pub max_running: usize,
+    /// Engine settings.
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
     /// Client address (roles unified, decode, disagg); port 0 picks a free port.
     #[arg(long)]
     pub listen: Option<String>,
@@ -127,19 +105,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .try_init();
     let (model, text) = load_model(args)?;
-    let cfg = EngineConfig {
-        page_slots: args.page_slots,
-        context: args.context,
-        pool_tokens: args.pool_tokens,
-        prefill_pool_tokens: args.prefill_pool_tokens,
-        decode_pool_tokens: args.decode_pool_tokens,
-        allow_pool_smaller_than_context: args.allow_pool_smaller_than_context,
-        scheduler: SchedulerConfig {
-            step_tokens: args.step_tokens,
-            max_running: args.max_running,
-        },
-        ..EngineConfig::default()
-    };
+    let cfg = args.engine.config()?;
+    stop_on_signals(cfg.hooks.clone())?;
     let engine = match args.role {
         Role::Prefill => return run_prefill(args, model, &cfg),
         Role::Unified => Engine::unified(model, &cfg)?,
@@ -147,6 +114,32 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         Role::Decode => Engine::decode_only(model, &cfg)?,
     };
     run_front(args, engine, text)
+}
+
+/// SIGTERM or SIGINT stops the process cleanly: the sanitizer's summary
+/// line is printed (in-process sanitizer) and the process exits through
+/// `exit`, so a preloaded shim prints its own at exit too. Requests in
+/// flight are dropped; their clients see the connection close.
+fn stop_on_signals(hooks: Hooks) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
+        .context("cannot install the SIGTERM/SIGINT handler")?;
+    std::thread::Builder::new()
+        .name("kvsan-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                let name = if signal == SIGINT {
+                    "SIGINT"
+                } else {
+                    "SIGTERM"
+                };
+                eprintln!("kvsan: stopping ({name})");
+                hooks.print_summary();
+                std::process::exit(0);
+            }
+        })
+        .context("cannot start the signal thread")?;
+    Ok(())
 }
 
 /// Refuses flags that mean nothing for the role (a misplaced pool size or
@@ -163,17 +156,17 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
         ("--peer", args.peer.is_some(), &[Role::Prefill]),
         (
             "--pool-tokens",
-            args.pool_tokens.is_some(),
+            args.engine.pool_tokens.is_some(),
             &[Role::Unified],
         ),
         (
             "--prefill-pool-tokens",
-            args.prefill_pool_tokens.is_some(),
+            args.engine.prefill_pool_tokens.is_some(),
             &[Role::Prefill, Role::Disagg],
         ),
         (
             "--decode-pool-tokens",
-            args.decode_pool_tokens.is_some(),
+            args.engine.decode_pool_tokens.is_some(),
             &[Role::Decode, Role::Disagg],
         ),
     ];

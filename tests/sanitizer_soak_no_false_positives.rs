@@ -1,0 +1,211 @@
+//! No false positives: a soak of 1,200 mixed requests (600 per topology) with
+//! the in-process sanitizer and the checked kernel on, and no fault — the
+//! sanitizer must report nothing and every request must be answered.
+//!
+//! The mix: six tenants; prompts from 1 token to over the context (rejected
+//! at admission) and over the prefill pool (rejected there in the
+//! disaggregated engine); chunked prefill (small steps); preemption (small
+//! pools); client cancels at random points; poisoned and quarantined freed
+//! pages.
+
+use std::sync::{Arc, Mutex};
+
+use kvsan_engine::engine::{Engine, EngineConfig, RequestHandle};
+use kvsan_engine::hooks::Hooks;
+use kvsan_engine::model::{AttentionCheck, SyntheticSpec};
+use kvsan_engine::request::{ErrorKind, Request};
+use kvsan_engine::sampler::SamplingParams;
+use kvsan_engine::scheduler::SchedulerConfig;
+use kvsan_sanitizer::{Options, Sanitizer, TenantId};
+
+/// Requests per topology.
+const REQUESTS: usize = 600;
+/// Requests in flight at once.
+const IN_FLIGHT: usize = 24;
+const CONTEXT: usize = 512;
+const PREFILL_POOL: usize = 384;
+
+/// A report sink the test can read.
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// SplitMix64: the load is the same on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// What the client meant to do with a request.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Plan {
+    Serve,
+    OverContext,
+    OverPrefillPool,
+    Cancel,
+}
+
+fn plan(rng: &mut Rng, disaggregated: bool) -> (Plan, Request) {
+    let roll = rng.below(100);
+    let (plan, len) = match roll {
+        0..=3 => (Plan::OverContext, CONTEXT as u64 + 1 + rng.below(64)),
+        4..=7 if disaggregated => (
+            Plan::OverPrefillPool,
+            PREFILL_POOL as u64 + 1 + rng.below((CONTEXT - PREFILL_POOL - 64) as u64),
+        ),
+        8..=17 => (Plan::Cancel, 1 + rng.below(300)),
+        _ => (Plan::Serve, 1 + rng.below(300)),
+    };
+    let request = Request {
+        tenant: TenantId(1 + rng.below(6) as u32),
+        prompt: (0..len).map(|_| rng.below(256) as u32).collect(),
+        max_tokens: 1 + rng.below(48) as usize,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: Vec::new(),
+    };
+    (plan, request)
+}
+
+fn soak(disaggregated: bool) {
+    let model = Arc::new(
+        SyntheticSpec {
+            context_length: CONTEXT,
+            ..SyntheticSpec::default()
+        }
+        .build()
+        .expect("synthetic model"),
+    );
+    let sink = Sink::default();
+    let sanitizer = Arc::new(Sanitizer::with_writer(
+        Options::parse("quarantine_pages=8:poison=1").expect("options"),
+        sink.clone(),
+    ));
+    let cfg = EngineConfig {
+        context: Some(CONTEXT),
+        pool_tokens: Some(768),
+        prefill_pool_tokens: Some(PREFILL_POOL),
+        decode_pool_tokens: Some(768),
+        allow_pool_smaller_than_context: true,
+        scheduler: SchedulerConfig {
+            step_tokens: 64,
+            max_running: 8,
+        },
+        check: AttentionCheck::Generations,
+        hooks: Hooks::sanitizer(sanitizer.clone()),
+        ..EngineConfig::default()
+    };
+    let engine = if disaggregated {
+        Engine::disaggregated(model, &cfg)
+    } else {
+        Engine::unified(model, &cfg)
+    }
+    .expect("engine");
+    let start = engine.stats();
+    let mut rng = Rng(if disaggregated { 0xd15a } else { 0x0f1e });
+    let mut window: std::collections::VecDeque<(Plan, RequestHandle)> = Default::default();
+    let mut seen = std::collections::HashMap::<(Plan, &'static str), usize>::new();
+    let mut finish = |plan: Plan, handle: RequestHandle| {
+        let outcome = match handle.wait() {
+            Ok(_) => "finished",
+            Err(e) => match (plan, e.kind) {
+                (Plan::OverContext | Plan::OverPrefillPool, ErrorKind::Rejected) => "rejected",
+                (Plan::Cancel, ErrorKind::Cancelled) => "cancelled",
+                _ => panic!(
+                    "{plan:?}: unexpected error {}: {}",
+                    e.kind.name(),
+                    e.message
+                ),
+            },
+        };
+        *seen.entry((plan, outcome)).or_default() += 1;
+    };
+    // Cancels wait for a random number of later submissions: the engine has
+    // then got the request to admission, prefill or decode, or finished it.
+    let mut cancels: Vec<(usize, kvsan_sanitizer::RequestId)> = Vec::new();
+    for i in 0..REQUESTS {
+        let (plan, request) = plan(&mut rng, disaggregated);
+        let handle = engine.submit(request);
+        if plan == Plan::Cancel {
+            cancels.push((i + rng.below(6) as usize, handle.id));
+        }
+        cancels.retain(|&(at, id)| {
+            if at <= i {
+                engine.cancel(id);
+            }
+            at > i
+        });
+        window.push_back((plan, handle));
+        if window.len() >= IN_FLIGHT {
+            let (plan, handle) = window.pop_front().expect("non-empty");
+            finish(plan, handle);
+        }
+    }
+    for (_, id) in cancels {
+        engine.cancel(id);
+    }
+    for (plan, handle) in window {
+        finish(plan, handle);
+    }
+
+    let reports = String::from_utf8_lossy(&sink.0.lock().expect("sink")).into_owned();
+    assert_eq!(
+        sanitizer.violation_count(),
+        0,
+        "violations in a clean load: {}\n{reports}",
+        sanitizer.summary()
+    );
+    let count = |plan, outcome| seen.get(&(plan, outcome)).copied().unwrap_or(0);
+    let answered: usize = seen.values().sum();
+    assert_eq!(answered, REQUESTS, "every request answered: {seen:?}");
+    assert!(count(Plan::Serve, "finished") > REQUESTS / 2, "{seen:?}");
+    assert!(count(Plan::OverContext, "rejected") > 0, "{seen:?}");
+    if disaggregated {
+        assert!(count(Plan::OverPrefillPool, "rejected") > 0, "{seen:?}");
+    }
+    assert!(count(Plan::Cancel, "cancelled") > 0, "{seen:?}");
+    let end = engine.stats();
+    eprintln!("outcomes: {seen:?}\nstats: {end:?}");
+    assert!(
+        end.front.preemptions + end.prefill.as_ref().map_or(0, |p| p.preemptions) > 0,
+        "the load must preempt: {end:?}"
+    );
+    assert_eq!(
+        end.front.free_pages, start.front.free_pages,
+        "pages returned"
+    );
+    if let (Some(s), Some(e)) = (start.prefill, end.prefill) {
+        assert_eq!(e.free_pages, s.free_pages, "prefill pages returned");
+    }
+}
+
+#[test]
+fn unified_engine_with_the_sanitizer_answers_600_mixed_requests_without_a_violation() {
+    soak(false);
+}
+
+#[test]
+fn disaggregated_engine_with_the_sanitizer_answers_600_mixed_requests_without_a_violation() {
+    soak(true);
+}
