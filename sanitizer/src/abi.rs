@@ -45,12 +45,12 @@
 //!  KvsanRange       { u32 start; u32 end }   (half-open)                  8 bytes
 //!  KvsanPoolGeometry{ u32 pages, page_slots, layers, role (0 unified,
 //!                     1 prefill, 2 decode); u64 bytes_per_slot;
-//!                     const u8 *node; size_t node_len (UTF-8) }          32 bytes
+//!                     const u8 *node; size_t node_len (UTF-8) }          40 bytes
 //!  KvsanManifest    { KvsanOwner request; u32 src_pool, dst_pool;
 //!                     const KvsanPageRef *src_pages; size_t src_len;
 //!                     const KvsanPageRef *dst_pages; size_t dst_len;
 //!                     u32 first_token, tokens; KvsanRange layers;
-//!                     u64 checksum }                                     72 bytes
+//!                     u64 checksum }                                     80 bytes
 //!  request events:  0 queued 1 admitted 2 prefilling 3 transferring
 //!                   4 decoding 5 finished 6 rejected 7 aborted
 //! ```

@@ -101,7 +101,7 @@ typedef struct KvsanRange {
     uint32_t end;
 } KvsanRange;
 
-/* A pool's shape. node: the node's name, UTF-8, not NUL-terminated. 32 bytes on LP64. */
+/* A pool's shape. node: the node's name, UTF-8, not NUL-terminated. 40 bytes on LP64. */
 typedef struct KvsanPoolGeometry {
     uint32_t pages;
     uint32_t page_slots; /* 1..4096 */
@@ -112,7 +112,7 @@ typedef struct KvsanPoolGeometry {
     size_t node_len;
 } KvsanPoolGeometry;
 
-/* What a KV transfer claims to carry. Block tables from token 0. 72 bytes on LP64. */
+/* What a KV transfer claims to carry. Block tables from token 0. 80 bytes on LP64. */
 typedef struct KvsanManifest {
     KvsanOwner request;
     uint32_t src_pool;
