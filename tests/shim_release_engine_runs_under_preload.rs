@@ -183,7 +183,7 @@ fn serve_under_the_preload_chooses_the_c_hook_table_and_serves_without_violation
         .spawn()
         .expect("start kvsan serve");
     let stderr = child.stderr.take().expect("piped stderr");
-    let _server = Server(child);
+    let mut server = Server(child);
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -246,10 +246,23 @@ fn serve_under_the_preload_chooses_the_c_hook_table_and_serves_without_violation
         }
         assert_eq!(tokens, 5);
     }
-    let later: Vec<String> = rx.try_iter().collect();
+    // A clean stop (SIGTERM) ends with the shim's summary line.
+    let stopped = Command::new("kill")
+        .args(["-TERM", &server.0.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(stopped.success());
+    let mut later = Vec::new();
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(30)) {
+        later.push(line);
+    }
+    let status = server.0.wait().expect("reap kvsan serve");
+    let all = later.join("\n");
+    assert!(status.success(), "{status}: {all}");
+    assert!(!all.contains("kvsan: ERROR"), "{all}");
+    let last = later.last().map(String::as_str).unwrap_or_default();
     assert!(
-        !later.iter().any(|l| l.contains("kvsan: ERROR")),
-        "{}",
-        later.join("\n")
+        last.starts_with("kvsan: 0 violations"),
+        "last line: {last}\n{all}"
     );
 }
