@@ -16,6 +16,7 @@ use std::collections::VecDeque;
 
 use kvsan_sanitizer::RequestId;
 
+use crate::faults::{self, Fault};
 use crate::hooks::RequestEvent;
 use crate::node::core::{NodeCore, Planned};
 use crate::node::sequence::Sequence;
@@ -253,7 +254,16 @@ impl Scheduler {
             .filter(|&j| j != keep)
             .max_by_key(|&j| self.running[j].admitted_at)?;
         let mut seq = self.running.remove(v);
+        // Fault `stale-block-table`: the pages are freed from a copy of the
+        // block table and the sequence keeps its own. On resume
+        // `ensure_pages` finds the table long enough and allocates nothing,
+        // so the recompute writes and reads pages the free list has since
+        // handed to another request.
+        let kept = faults::active(Fault::StaleBlockTable).then(|| seq.table.clone());
         core.release(&mut seq);
+        if let Some(table) = kept {
+            seq.table = table;
+        }
         core.stats.preemptions += 1;
         // The lifecycle goes back to Queued; an abort here is reported when
         // the sequence is admitted again.

@@ -231,6 +231,8 @@ macro_rules! fault_tests {
 fault_tests! {
     reject_as_placeholder => Fault::RejectAsPlaceholder,
     short_transfer => Fault::ShortTransfer,
+    skip_layer_write => Fault::SkipLayerWrite,
+    stale_block_table => Fault::StaleBlockTable,
 }
 
 macro_rules! kernel_check_tests {
@@ -252,7 +254,9 @@ macro_rules! kernel_check_tests {
     };
 }
 
-kernel_check_tests! {}
+kernel_check_tests! {
+    kernel_check_alone_catches_stale_block_table => Fault::StaleBlockTable,
+}
 
 #[test]
 fn not_injected_the_oversize_probe_is_rejected_at_the_prefill_pool_limit() {

@@ -12,6 +12,8 @@
 //! | --- | --- |
 //! | `reject-as-placeholder` | an oversize prompt is rejected into a one-token placeholder; the disaggregated admission checks "finished" instead of "rejected", so decode reserves pages for the whole prompt, prefill sends KV for one token, and decode reads its whole reservation |
 //! | `short-transfer` | prefill drops the last piece of a prompt whose KV goes in several pieces (an off-by-one in the piece loop), yet reports the prefill done; decode commits and reads the whole prompt |
+//! | `skip-layer-write` | a prefill chunk longer than [`crate::model::forward::LONG_CHUNK_TOKENS`] takes a store path whose layer loop stops one layer short: the chunk's slots keep the page's previous owner's KV for the last layer, which attention then reads and prefill ships |
+//! | `stale-block-table` | preemption frees a sequence's pages from a copy of its block table and the sequence keeps its own: on resume it recomputes and decodes through `PageRef`s to pages the free list has since handed to another request |
 
 pub mod scenario;
 
@@ -24,11 +26,20 @@ pub enum Fault {
     RejectAsPlaceholder,
     /// Prefill sends fewer tokens than decode reserved and committed.
     ShortTransfer,
+    /// A long prefill chunk's KV store skips the last layer.
+    SkipLayerWrite,
+    /// A preempted sequence keeps `PageRef`s to its freed pages.
+    StaleBlockTable,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 2] = [Fault::RejectAsPlaceholder, Fault::ShortTransfer];
+    pub const ALL: [Fault; 4] = [
+        Fault::RejectAsPlaceholder,
+        Fault::ShortTransfer,
+        Fault::SkipLayerWrite,
+        Fault::StaleBlockTable,
+    ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
     #[must_use]
@@ -36,6 +47,8 @@ impl Fault {
         match self {
             Fault::RejectAsPlaceholder => "reject-as-placeholder",
             Fault::ShortTransfer => "short-transfer",
+            Fault::StaleBlockTable => "stale-block-table",
+            Fault::SkipLayerWrite => "skip-layer-write",
         }
     }
 

@@ -127,6 +127,51 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::SkipLayerWrite => Scenario {
+                fault,
+                expected: ViolationKind::StaleRead,
+                culprit: Culprit::Probe,
+                kernel_check_catches: false,
+                victim_end: VictimEnd::Finishes,
+                configure: |_| {},
+                drive: |engine, seed| {
+                    // A victim and a bystander short enough for the intact
+                    // store path; the probe's long prompt takes the broken
+                    // one and gets the prefill pages the victim left, whose
+                    // last layer still holds the victim's KV. The probe goes
+                    // first so the bystander cannot take those pages.
+                    let v = engine.submit(victim(seed, 60, 8)).wait();
+                    let p = engine.submit(probe(200, 16));
+                    let bystander = engine.submit(bystander());
+                    finish(v, p.wait(), &bystander)
+                },
+            },
+            Fault::StaleBlockTable => Scenario {
+                fault,
+                expected: ViolationKind::GenerationMismatch,
+                culprit: Culprit::Probe,
+                kernel_check_catches: true,
+                victim_end: VictimEnd::Finishes,
+                configure: |cfg| {
+                    // Decode holds the victim's prompt (32 pages) and the
+                    // probe's one page, nothing more.
+                    cfg.decode_pool_tokens = Some(33 * cfg.page_slots);
+                    cfg.allow_pool_smaller_than_context = true;
+                },
+                drive: |engine, seed| {
+                    // The victim's prompt fills whole pages, so its first
+                    // decode step needs a page: it waits for the probe's
+                    // reservation to commit, then preempts the probe and
+                    // takes its page. The resumed probe (one page, which it
+                    // never outgrows) reads through its kept table the
+                    // decode KV the victim writes there.
+                    let v = engine.submit(victim(seed, 512, 12));
+                    let p = engine.submit(probe(4, 12));
+                    let (v, p) = (v.wait(), p.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
         }
     }
 
