@@ -19,8 +19,28 @@ use kvsan_kernels::ops;
 use kvsan_sanitizer::PageRef;
 
 use crate::EngineError;
+use crate::faults::{self, Fault};
 use crate::kv_pool::KvPool;
 use crate::model::Model;
+
+/// Chunks of more new tokens than this take the long-chunk KV store path
+/// (the path fault `skip-layer-write` breaks).
+pub const LONG_CHUNK_TOKENS: usize = 64;
+
+/// The layers whose K/V a chunk of `chunk_tokens` new tokens stores in the
+/// pool: what [`Model::forward`] writes and what the node reports to the
+/// write hook, so the two never disagree.
+///
+/// Fault `skip-layer-write`: the long-chunk store path's layer loop stops
+/// one layer short, so a long prefill chunk leaves the last layer's slots
+/// holding whatever the page's previous owner wrote there.
+#[must_use]
+pub fn stored_layers(n_layers: usize, chunk_tokens: usize) -> std::ops::Range<usize> {
+    if faults::active(Fault::SkipLayerWrite) && chunk_tokens > LONG_CHUNK_TOKENS {
+        return 0..n_layers.saturating_sub(1);
+    }
+    0..n_layers
+}
 
 /// Which logits a chunk wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -214,7 +234,8 @@ impl Model {
         Ok(())
     }
 
-    /// Writes each new token's K and V into its sequence's pages.
+    /// Writes each new token's K and V of `layer` into its sequence's pages
+    /// (for the chunks whose [`stored_layers`] include `layer`).
     fn store_kv(
         &self,
         pool: &mut KvPool,
@@ -227,6 +248,10 @@ impl Model {
         let geom = *pool.geometry();
         let mut t = 0;
         for ch in chunks {
+            if !stored_layers(self.config.n_layers, ch.tokens.len()).contains(&layer) {
+                t += ch.tokens.len();
+                continue;
+            }
             for pos in ch.start_pos..ch.start_pos + ch.tokens.len() {
                 let page = ch.block_table[pos / geom.page_slots].page;
                 let slot = pos % geom.page_slots;

@@ -7,6 +7,7 @@ use kvsan_sanitizer::{NodeRole, Owner, PoolGeometry, PoolId, Verdict};
 
 use crate::hooks::{Hooks, RequestEvent};
 use crate::kv_pool::KvPool;
+use crate::model::forward::stored_layers;
 use crate::model::{AttentionCheck, Logits, Model, SeqChunk};
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, RequestError};
@@ -191,7 +192,11 @@ impl NodeCore {
     /// the attention read of everything up to its last token.
     fn check_chunk(&self, seq: &Sequence, n: usize) -> Result<(), RequestError> {
         let ps = self.pool.page_slots();
-        let layers = 0..self.model.config().n_layers as u32;
+        let n_layers = self.model.config().n_layers;
+        let layers = 0..n_layers as u32;
+        // The layers the forward pass really stores for this chunk.
+        let stored = stored_layers(n_layers, n);
+        let stored = stored.start as u32..stored.end as u32;
         let (start, end) = (seq.computed, seq.computed + n);
         let mut pos = start;
         while pos < end {
@@ -202,7 +207,7 @@ impl NodeCore {
                 seq.owner,
                 seq.table[idx],
                 (pos - idx * ps) as u32..hi as u32,
-                layers.clone(),
+                stored.clone(),
                 self.step,
             );
             if !verdict.is_continue() {
