@@ -7,7 +7,7 @@ use std::io::Write;
 
 use kvsan_engine::engine::Output;
 use kvsan_engine::faults::Fault;
-use kvsan_engine::faults::scenario::{Culprit, Scenario, scenario_model};
+use kvsan_engine::faults::scenario::{Scenario, scenario_model};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
 use kvsan_engine::request::RequestError;
@@ -80,10 +80,7 @@ pub fn run(args: &Args, json: bool) -> anyhow::Result<()> {
                 "seed": args.seed,
                 "hooks": target,
                 "expected_violation": scenario.expected.name(),
-                "culprit": match scenario.culprit {
-                    Culprit::Probe => "probe",
-                    Culprit::Victim => "victim",
-                },
+                "culprit": scenario.culprit.name(),
                 "victim": outcome(&run.victim),
                 "probe": outcome(&run.probe),
                 "bystander": outcome(&run.bystander),

@@ -64,6 +64,24 @@ pub enum Culprit {
     /// pages; the abort stops it before it lands, so the probe finishes with
     /// the output of a correct engine.
     Victim,
+    /// No live request: the fault is made on behalf of a request that has
+    /// already ended (a second free of its page at its release). The
+    /// violation is reported against that request and the operation is
+    /// refused, so no client sees an abort and the probe gets the output of
+    /// a correct engine.
+    Ended,
+}
+
+impl Culprit {
+    /// `probe`, `victim` or `ended`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Culprit::Probe => "probe",
+            Culprit::Victim => "victim",
+            Culprit::Ended => "ended",
+        }
+    }
 }
 
 /// One fault's leak-oracle script.
@@ -76,8 +94,9 @@ pub struct Scenario {
     /// The request it aborts.
     pub culprit: Culprit,
     /// Whether the checked attention kernel alone (no sanitizer hooks)
-    /// refuses the probe's read.
-    pub kernel_check_catches: bool,
+    /// catches the fault, and which request it then aborts (with
+    /// `generation-mismatch`).
+    pub kernel_check: Option<Culprit>,
     /// How the victim ends when it is not the culprit.
     pub victim_end: VictimEnd,
     /// Engine settings of the scenario (pool sizes, limits).
@@ -95,7 +114,7 @@ impl Scenario {
                 fault,
                 expected: ViolationKind::TerminalRequestActivity,
                 culprit: Culprit::Probe,
-                kernel_check_catches: false,
+                kernel_check: None,
                 victim_end: VictimEnd::Finishes,
                 configure: |cfg| {
                     // The probe's 300 tokens are over the prefill pool.
@@ -114,7 +133,7 @@ impl Scenario {
                 fault,
                 expected: ViolationKind::ShortTransfer,
                 culprit: Culprit::Probe,
-                kernel_check_catches: false,
+                kernel_check: None,
                 victim_end: VictimEnd::Finishes,
                 configure: |_| {},
                 drive: |engine, seed| {
@@ -131,7 +150,7 @@ impl Scenario {
                 fault,
                 expected: ViolationKind::StaleRead,
                 culprit: Culprit::Probe,
-                kernel_check_catches: false,
+                kernel_check: None,
                 victim_end: VictimEnd::Finishes,
                 configure: |_| {},
                 drive: |engine, seed| {
@@ -150,7 +169,7 @@ impl Scenario {
                 fault,
                 expected: ViolationKind::GenerationMismatch,
                 culprit: Culprit::Probe,
-                kernel_check_catches: true,
+                kernel_check: Some(Culprit::Probe),
                 victim_end: VictimEnd::Finishes,
                 configure: |cfg| {
                     // Decode holds the victim's prompt (32 pages) and the
