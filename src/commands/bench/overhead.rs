@@ -361,8 +361,9 @@ fn workloads(args: &Args) -> Vec<Workload> {
             a.push("--model".into());
             a.push(m.display().to_string());
         }
+        // Warm-up: load the model into the page cache, start the threads.
         let mut warm = a.clone();
-        warm.extend(s(&["--requests", "8"]));
+        warm.extend(s(&["--requests", "2"]));
         a.extend(["--requests".to_string(), requests.clone()]);
         Workload {
             name,
