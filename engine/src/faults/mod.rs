@@ -14,6 +14,7 @@
 //! | `short-transfer` | prefill drops the last piece of a prompt whose KV goes in several pieces (an off-by-one in the piece loop), yet reports the prefill done; decode commits and reads the whole prompt |
 //! | `skip-layer-write` | a prefill chunk longer than [`crate::model::forward::LONG_CHUNK_TOKENS`] takes a store path whose layer loop stops one layer short: the chunk's slots keep the page's previous owner's KV for the last layer, which attention then reads and prefill ships |
 //! | `stale-block-table` | preemption frees a sequence's pages from a copy of its block table and the sequence keeps its own: on resume it recomputes and decodes through `PageRef`s to pages the free list has since handed to another request |
+//! | `padding-slot-wrap` | a batch of two or more rows is padded to a multiple of 4 rows (fixed batch shapes); each padding row repeats the first row's last token with slot mapping −1, which, unchecked, wraps to the pool's last slot: the first row's KV lands in the page of whichever request owns the pool's last page |
 
 pub mod scenario;
 
@@ -30,15 +31,18 @@ pub enum Fault {
     SkipLayerWrite,
     /// A preempted sequence keeps `PageRef`s to its freed pages.
     StaleBlockTable,
+    /// A padded batch row writes slot −1, i.e. the pool's last slot.
+    PaddingSlotWrap,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 4] = [
+    pub const ALL: [Fault; 5] = [
         Fault::RejectAsPlaceholder,
         Fault::ShortTransfer,
         Fault::SkipLayerWrite,
         Fault::StaleBlockTable,
+        Fault::PaddingSlotWrap,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -49,6 +53,7 @@ impl Fault {
             Fault::ShortTransfer => "short-transfer",
             Fault::StaleBlockTable => "stale-block-table",
             Fault::SkipLayerWrite => "skip-layer-write",
+            Fault::PaddingSlotWrap => "padding-slot-wrap",
         }
     }
 

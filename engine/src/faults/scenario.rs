@@ -191,6 +191,42 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::PaddingSlotWrap => Scenario {
+                fault,
+                expected: ViolationKind::ForeignWrite,
+                culprit: Culprit::Victim,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                configure: |cfg| {
+                    // The prefill pool holds the victim's prompt and the
+                    // probe's one page, nothing more: on a fresh pool
+                    // (first-fit page order) the victim takes every page but
+                    // the last, which the probe gets.
+                    cfg.scheduler.step_tokens = PAD_STEP_TOKENS;
+                    cfg.prefill_pool_tokens = Some(PAD_VICTIM_TOKENS + PAD_PROBE_TOKENS);
+                    cfg.allow_pool_smaller_than_context = true;
+                },
+                drive: |engine, seed| {
+                    // Prefill admits first come, first served, and the
+                    // running victim takes the whole step budget until its
+                    // last chunk (half a budget) leaves room for the probe's
+                    // whole prompt: that step has two rows, is padded, and
+                    // the padding (a copy of the victim's last row) writes
+                    // the victim's KV into the probe's last prompt slot
+                    // after the probe's own write, which the probe attends
+                    // over and prefill ships. The probe's order is sent
+                    // right after the victim's; the margin for it to reach
+                    // the prefill node in time is the victim's whole
+                    // chunked prefill (62 steps before its last chunk).
+                    // The bystander comes after, alone, so it is never in a
+                    // padded batch.
+                    let v = engine.submit(victim(seed, PAD_VICTIM_TOKENS as u32, 8));
+                    let p = engine.submit(probe(PAD_PROBE_TOKENS as u32, 16));
+                    let (v, p) = (v.wait(), p.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
         }
     }
 
@@ -241,6 +277,15 @@ impl Scenario {
         Ok(run)
     }
 }
+
+/// `padding-slot-wrap`: the prefill step budget.
+const PAD_STEP_TOKENS: usize = 32;
+/// `padding-slot-wrap`: the victim's prompt, whole budgets and half a
+/// budget, so its last chunk leaves room for the probe's whole prompt.
+const PAD_VICTIM_TOKENS: usize = 62 * PAD_STEP_TOKENS + PAD_STEP_TOKENS / 2;
+/// `padding-slot-wrap`: the probe's prompt, one page (of the default 16
+/// slots), so its last prompt slot is the prefill pool's last slot.
+const PAD_PROBE_TOKENS: usize = 16;
 
 /// The model every scenario is written for.
 ///

@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
-use kvsan_sanitizer::{NodeRole, Owner, PoolGeometry, PoolId, Verdict};
+use kvsan_sanitizer::{NodeRole, Owner, PageId, PageRef, PoolGeometry, PoolId, Verdict};
 
+use crate::faults::{self, Fault};
 use crate::hooks::{Hooks, RequestEvent};
 use crate::kv_pool::KvPool;
 use crate::model::forward::stored_layers;
@@ -32,6 +33,10 @@ pub struct NodeStats {
     /// Forward steps run since start.
     pub steps: u64,
 }
+
+/// Fault `padding-slot-wrap`: a batch of two or more rows is padded to a
+/// multiple of this many rows, as an engine that runs fixed batch shapes does.
+pub(crate) const PAD_ROWS_TO: usize = 4;
 
 /// A sequence's share of one step: `n` new tokens from `computed`.
 #[derive(Clone, Copy, Debug)]
@@ -239,14 +244,15 @@ impl NodeCore {
                     .map(ChunkOutcome::Refused)
             })
             .collect();
-        let live: Vec<usize> = (0..plan.len()).filter(|&i| outcomes[i].is_none()).collect();
-        match self.forward(seqs, plan, &live) {
+        let mut live: Vec<usize> = (0..plan.len()).filter(|&i| outcomes[i].is_none()).collect();
+        let padding = self.padding_rows(seqs, plan, &mut live, &mut outcomes);
+        match self.forward(seqs, plan, &live, padding) {
             Ok(logits) => self.sample(seqs, plan, &live, &logits, &mut outcomes),
             Err(_) => {
                 // A checked kernel refused a page of one sequence: find which,
-                // chunk by chunk, and run the others.
+                // chunk by chunk (one row: no padding), and run the others.
                 for &i in &live {
-                    match self.forward(seqs, plan, &[i]) {
+                    match self.forward(seqs, plan, &[i], 0) {
                         Ok(logits) => self.sample(seqs, plan, &[i], &logits, &mut outcomes),
                         Err(e) => {
                             outcomes[i] =
@@ -262,13 +268,96 @@ impl NodeCore {
             .collect()
     }
 
+    /// Fault `padding-slot-wrap`: how many padding rows the batch of `live`
+    /// rows gets. A batch of two or more rows is padded to a multiple of
+    /// [`PAD_ROWS_TO`] rows; the padding's write (and attention read) of the
+    /// pool's last slot is reported as what it is, the first row's request
+    /// writing there, before the forward pass. On an abort verdict that row
+    /// is refused and the remaining batch is padded anew.
+    fn padding_rows(
+        &self,
+        seqs: &[Sequence],
+        plan: &[Planned],
+        live: &mut Vec<usize>,
+        outcomes: &mut [Option<ChunkOutcome>],
+    ) -> usize {
+        if !faults::active(Fault::PaddingSlotWrap) {
+            return 0;
+        }
+        while live.len() >= 2 {
+            let pad = live.len().next_multiple_of(PAD_ROWS_TO) - live.len();
+            if pad == 0 {
+                return 0;
+            }
+            match self.check_padding(seqs[plan[live[0]].seq].owner) {
+                Ok(()) => return pad,
+                Err(e) => {
+                    outcomes[live[0]] = Some(ChunkOutcome::Refused(e));
+                    live.remove(0);
+                }
+            }
+        }
+        0
+    }
+
+    /// The `PageRef` a padding row's slot mapping of −1 resolves to: with no
+    /// bounds check, slot −1 of the flat slot array is the last slot of the
+    /// pool's last page, taken at that page's current generation (whoever
+    /// holds it now).
+    fn wrapped_slot_page(&self) -> PageRef {
+        let last = self.pool.n_pages() - 1;
+        PageRef {
+            page: PageId(last as u32),
+            generation: self.pool.generations()[last],
+        }
+    }
+
+    /// Reports a padding row on behalf of `owner` (the batch's first row):
+    /// its one-token write into the pool's last slot, then its attention read
+    /// of the page up to that slot.
+    fn check_padding(&self, owner: Owner) -> Result<(), RequestError> {
+        let ps = self.pool.page_slots();
+        let n_layers = self.model.config().n_layers;
+        let page = self.wrapped_slot_page();
+        let stored = stored_layers(n_layers, 1);
+        let verdict = self.hooks.write(
+            self.pool_id,
+            owner,
+            page,
+            (ps - 1) as u32..ps as u32,
+            stored.start as u32..stored.end as u32,
+            self.step,
+        );
+        if !verdict.is_continue() {
+            return Err(violation_error(verdict, &self.name));
+        }
+        let verdict = self.hooks.read(
+            self.pool_id,
+            owner,
+            &[page],
+            ps,
+            0..n_layers as u32,
+            self.step,
+        );
+        if !verdict.is_continue() {
+            return Err(violation_error(verdict, &self.name));
+        }
+        Ok(())
+    }
+
+    /// One forward pass over the `live` chunks of `plan`, followed by
+    /// `padding` padding rows (fault `padding-slot-wrap`), whose stores come
+    /// after the real rows' and whose outputs are discarded.
     fn forward(
         &mut self,
         seqs: &[Sequence],
         plan: &[Planned],
         live: &[usize],
+        padding: usize,
     ) -> Result<Vec<f32>, crate::EngineError> {
-        let chunks: Vec<SeqChunk<'_>> = live
+        let pad_table = [self.wrapped_slot_page()];
+        let pad_pos = self.pool.page_slots() - 1;
+        let mut chunks: Vec<SeqChunk<'_>> = live
             .iter()
             .map(|&i| {
                 let (s, n) = (&seqs[plan[i].seq], plan[i].n);
@@ -284,6 +373,17 @@ impl NodeCore {
                 }
             })
             .collect();
+        if let (true, Some(&first)) = (padding > 0, live.first()) {
+            // Each padding row repeats the first row's last token.
+            let (s, n) = (&seqs[plan[first].seq], plan[first].n);
+            let token = &s.tokens[s.computed + n - 1..s.computed + n];
+            chunks.extend((0..padding).map(|_| SeqChunk {
+                tokens: token,
+                start_pos: pad_pos,
+                block_table: &pad_table,
+                logits: Logits::None,
+            }));
+        }
         self.model.forward(&mut self.pool, &chunks, self.check)
     }
 
