@@ -21,6 +21,7 @@ use kvsan_kernels::attention::KvGeometry;
 use kvsan_sanitizer::{Generation, PageId, PageRef};
 
 use crate::EngineError;
+use crate::faults::{self, Fault};
 
 /// A pool of KV pages for one model geometry.
 #[derive(Debug)]
@@ -170,11 +171,17 @@ impl KvPool {
     ///
     /// # Errors
     /// [`EngineError::PoolBadFree`] when `page` is out of range, its generation
-    /// is not current, or it is already free.
+    /// is not current, or it is already free (not checked under the fault
+    /// `double-free`).
     pub fn free(&mut self, page: PageRef) -> Result<(), EngineError> {
         let idx = page.page.0 as usize;
         let current = self.generations.get(idx).copied();
-        if current != Some(page.generation) || self.is_free[idx] {
+        // Fault `double-free`: the pool has no "already free" check, like an
+        // allocator that only pushes indices back on its list; a page freed
+        // twice at the same generation goes on the free list twice.
+        let already_free =
+            self.is_free.get(idx).copied().unwrap_or(false) && !faults::active(Fault::DoubleFree);
+        if current != Some(page.generation) || already_free {
             return Err(EngineError::PoolBadFree {
                 page: page.page.0,
                 generation: page.generation.0,

@@ -256,6 +256,7 @@ fault_tests! {
     short_transfer => Fault::ShortTransfer,
     skip_layer_write => Fault::SkipLayerWrite,
     stale_block_table => Fault::StaleBlockTable,
+    double_free => Fault::DoubleFree,
     padding_slot_wrap => Fault::PaddingSlotWrap,
 }
 
@@ -280,6 +281,7 @@ macro_rules! kernel_check_tests {
 
 kernel_check_tests! {
     kernel_check_alone_catches_stale_block_table => Fault::StaleBlockTable,
+    kernel_check_alone_catches_double_free => Fault::DoubleFree,
 }
 
 #[test]

@@ -191,6 +191,49 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::DoubleFree => Scenario {
+                fault,
+                expected: ViolationKind::DoubleFree,
+                culprit: Culprit::Ended,
+                kernel_check: Some(Culprit::Probe),
+                victim_end: VictimEnd::Finishes,
+                configure: |cfg| cfg.page_slots = DF_PAGE_SLOTS,
+                drive: |engine, seed| {
+                    // The bystander ends first, alone: on both nodes its
+                    // release puts its tail page L (the last of DF_PAGES
+                    // pages; its answer fits them) on the free list twice.
+                    // The probe, its prompt as many pages with the last
+                    // half full, then reserves L, and the victim, submitted
+                    // next, reserves L again: reservations go in
+                    // submission order and the free list is a stack. The
+                    // victim's one page is L: each of its first decode
+                    // steps writes a slot of L that holds the probe's
+                    // prompt KV, which the probe attends over at every step
+                    // of its 64-token decode (the probe's own writes only
+                    // reach L's upper half). The one race: the victim's
+                    // reservation must come before the probe grows past L
+                    // (else the probe takes L's second copy itself); the
+                    // client sends the two submissions back to back, the
+                    // probe grows only after its prefill round trip and
+                    // DF_PAGE_SLOTS / 2 decode steps. On the prefill node
+                    // the victim shares L with the probe only when both
+                    // are in one step, and leaks there too then.
+                    let bystander = engine
+                        .submit(request(
+                            BYSTANDER_TENANT,
+                            vec![9; DF_BYSTANDER_TOKENS],
+                            BYSTANDER_TOKENS,
+                        ))
+                        .wait();
+                    let p = engine.submit(probe(DF_PROBE_TOKENS as u32, 64));
+                    let v = engine.submit(victim(seed, DF_VICTIM_TOKENS as u32, 24));
+                    ScenarioRun {
+                        probe: p.wait(),
+                        victim: v.wait(),
+                        bystander,
+                    }
+                },
+            },
             Fault::PaddingSlotWrap => Scenario {
                 fault,
                 expected: ViolationKind::ForeignWrite,
@@ -286,6 +329,19 @@ const PAD_VICTIM_TOKENS: usize = 62 * PAD_STEP_TOKENS + PAD_STEP_TOKENS / 2;
 /// `padding-slot-wrap`: the probe's prompt, one page (of the default 16
 /// slots), so its last prompt slot is the prefill pool's last slot.
 const PAD_PROBE_TOKENS: usize = 16;
+
+/// `double-free`: slots per page.
+const DF_PAGE_SLOTS: usize = 16;
+/// `double-free`: pages the bystander and the probe each hold; the last is
+/// the one freed twice.
+const DF_PAGES: usize = 3;
+/// `double-free`: the bystander's prompt; with its answer it stays within
+/// `DF_PAGES` pages on decode, as on prefill.
+const DF_BYSTANDER_TOKENS: usize = (DF_PAGES - 1) * DF_PAGE_SLOTS + 4;
+/// `double-free`: the probe's prompt, half of its last page.
+const DF_PROBE_TOKENS: usize = (DF_PAGES - 1) * DF_PAGE_SLOTS + DF_PAGE_SLOTS / 2;
+/// `double-free`: the victim's prompt, the first slots of its one page.
+const DF_VICTIM_TOKENS: usize = 2;
 
 /// The model every scenario is written for.
 ///

@@ -180,17 +180,36 @@ impl NodeCore {
     pub fn release(&mut self, seq: &mut Sequence) {
         // Last page first: the free list is a stack, so the next request
         // gets these pages back in their original order.
-        for page in seq.table.drain(..).rev() {
-            // A refused free (the sanitizer's double-free/foreign-free) is
-            // reported by the hook; the request is ending either way.
-            let _ = self.hooks.free(self.pool_id, seq.owner, page, self.step);
-            match self.pool.free(page) {
-                Ok(()) if self.hooks.poison() => self.pool.poison_page(page.page),
-                Ok(()) => {}
-                Err(e) => tracing::error!(node = %self.name, request = seq.owner.request.0, "{e}"),
-            }
+        let pages: Vec<PageRef> = seq.table.drain(..).rev().collect();
+        // Fault `double-free`: the tail page is freed on its own first (as
+        // when the page being filled was kept outside the block table) and
+        // then again with the rest of the table.
+        let tail = faults::active(Fault::DoubleFree)
+            .then(|| pages.first().copied())
+            .flatten();
+        for page in tail.into_iter().chain(pages) {
+            self.free_page(seq.owner, page);
         }
         seq.computed = 0;
+    }
+
+    /// Returns one page of `owner` to the pool, unless the free hook refuses
+    /// it: a double or foreign free is reported there and the page is not
+    /// `owner`'s to return (putting it on the free list again would hand it
+    /// to two requests). The request is ending either way.
+    fn free_page(&mut self, owner: Owner, page: PageRef) {
+        if !self
+            .hooks
+            .free(self.pool_id, owner, page, self.step)
+            .is_continue()
+        {
+            return;
+        }
+        match self.pool.free(page) {
+            Ok(()) if self.hooks.poison() => self.pool.poison_page(page.page),
+            Ok(()) => {}
+            Err(e) => tracing::error!(node = %self.name, request = owner.request.0, "{e}"),
+        }
     }
 
     /// Checks one chunk through the hooks: the writes of its new slots, then
