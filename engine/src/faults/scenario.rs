@@ -270,6 +270,45 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::OverlappingTransfer => Scenario {
+                fault,
+                expected: ViolationKind::ForeignWrite,
+                culprit: Culprit::Victim,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                configure: |cfg| {
+                    // Decode holds the probe's and the victim's prompts and
+                    // nothing more, so the probe's first decode page waits
+                    // until the victim's transfer has landed and the victim
+                    // has ended. The probe's prompt is whole prefill steps:
+                    // the victim's first chunk comes in a later step, so the
+                    // probe's KV ships, and lands, first.
+                    cfg.decode_pool_tokens = Some(OVL_DECODE_PAGES * cfg.page_slots);
+                    cfg.scheduler.step_tokens = OVL_STEP_TOKENS;
+                    cfg.allow_pool_smaller_than_context = true;
+                },
+                drive: |engine, seed| {
+                    // On the fresh decode pool (first-fit page order) the
+                    // probe, submitted first, reserves pages 0..3 and the
+                    // victim 3..6. The victim's prompt ends on a page
+                    // boundary, so its transfer lands one page early: its
+                    // first page's KV overwrites page 2, the probe's last
+                    // prompt page (prompt KV in slots 0..8, its first decode
+                    // tokens after). The probe's own transfer starts at page
+                    // 0 and is written where it belongs. The probe decodes 8
+                    // tokens, then waits for a page until the victim (one
+                    // token) ends, and reads the overwritten page for the
+                    // rest of its answer. The one race: the victim's
+                    // submission, sent right after the probe's, must reach
+                    // the decode node before the probe's prefill (5 steps)
+                    // and first 8 decode steps are done.
+                    let p = engine.submit(probe(OVL_PROBE_TOKENS as u32, 48));
+                    let v = engine.submit(victim(seed, OVL_VICTIM_TOKENS as u32, 1));
+                    let (v, p) = (v.wait(), p.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
         }
     }
 
@@ -342,6 +381,19 @@ const DF_BYSTANDER_TOKENS: usize = (DF_PAGES - 1) * DF_PAGE_SLOTS + 4;
 const DF_PROBE_TOKENS: usize = (DF_PAGES - 1) * DF_PAGE_SLOTS + DF_PAGE_SLOTS / 2;
 /// `double-free`: the victim's prompt, the first slots of its one page.
 const DF_VICTIM_TOKENS: usize = 2;
+
+/// `overlapping-transfer`: the probe's prompt, two and a half pages (of
+/// the default 16 slots), so its last page holds prompt and decode KV.
+const OVL_PROBE_TOKENS: usize = 40;
+/// `overlapping-transfer`: the victim's prompt, three whole pages: its one
+/// transfer message ends on a page boundary.
+const OVL_VICTIM_TOKENS: usize = 48;
+/// `overlapping-transfer`: the prefill step budget, a divisor of the
+/// probe's prompt.
+const OVL_STEP_TOKENS: usize = 8;
+/// `overlapping-transfer`: decode pages, the probe's three and the victim's
+/// three.
+const OVL_DECODE_PAGES: usize = 6;
 
 /// The model every scenario is written for.
 ///

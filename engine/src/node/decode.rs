@@ -5,7 +5,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use crossbeam_channel::{Receiver, Sender};
-use kvsan_sanitizer::{Owner, RequestId};
+use kvsan_sanitizer::{Manifest, Owner, PageId, PageRef, RequestId};
 
 use crate::faults::{self, Fault};
 use crate::hooks::RequestEvent;
@@ -350,7 +350,26 @@ impl DecodeNode {
             );
             return;
         }
+        // The hook sees where the bytes really land: the destination this
+        // node writes through, which is the sender's manifest unless the
+        // fault below bends it (a sanitizer watching the writes, in process
+        // or as a preloaded shim, checks the real descriptor).
+        let manifest = match &payload {
+            KvPayload::Bytes(_) if faults::active(Fault::OverlappingTransfer) => {
+                self.one_page_early(manifest)
+            }
+            _ => manifest,
+        };
         let verdict = self.core.hooks.transfer_recv(self.core.pool_id, &manifest);
+        self.core.stats.transfers += 1;
+        if !verdict.is_continue() {
+            // Refused before a byte is written.
+            let seq = self.transferring.remove(&id).expect("present");
+            self.cancel_at_prefill(id);
+            let e = violation_error(verdict, &self.core.name);
+            fail(&mut self.core, seq, e);
+            return;
+        }
         if let KvPayload::Bytes(bytes) = &payload {
             let layers = manifest.layers.start as usize..manifest.layers.end as usize;
             let mut at = 0;
@@ -369,13 +388,44 @@ impl DecodeNode {
                 }
             }
         }
-        self.core.stats.transfers += 1;
-        if !verdict.is_continue() {
-            let seq = self.transferring.remove(&id).expect("present");
-            self.cancel_at_prefill(id);
-            let e = violation_error(verdict, &self.core.name);
-            fail(&mut self.core, seq, e);
+    }
+
+    /// Fault `overlapping-transfer`: the receiver computes where a
+    /// message's KV goes back from the message's end, with its page count
+    /// taken as `tokens / page_slots + 1` instead of rounded up. For a
+    /// message that ends on a page boundary the count is one too many and
+    /// the destination is off by one page: each page of the message is
+    /// written into the physically preceding page of the pool, the first of
+    /// them a page the request does not hold (on a reservation taken in page
+    /// order, the previous reservation's last page).
+    ///
+    /// Returns the manifest of what is really written: each destination
+    /// entry the message touches names the page written and that page's
+    /// current generation (a DMA lands in the page as it is now). A message
+    /// touching the pool's first page is left as it is (its destination
+    /// would start before the pool).
+    fn one_page_early(&self, mut manifest: Manifest) -> Manifest {
+        let ps = self.core.pool.page_slots();
+        let start = manifest.first_token as usize;
+        let end = start + manifest.tokens as usize;
+        let touched = start / ps..end.div_ceil(ps);
+        let counted = manifest.tokens as usize / ps + 1;
+        if counted <= touched.len()
+            || manifest.dst_pages[touched.clone()]
+                .iter()
+                .any(|p| p.page.0 == 0)
+        {
+            return manifest;
         }
+        let generations = self.core.pool.generations();
+        for entry in &mut manifest.dst_pages[touched] {
+            let page = PageId(entry.page.0 - 1);
+            *entry = PageRef {
+                page,
+                generation: generations[page.0 as usize],
+            };
+        }
+        manifest
     }
 
     /// Frame-level checks of a transfer: the request's own pages, sizes, checksum.
