@@ -256,8 +256,8 @@ fault_tests! {
     short_transfer => Fault::ShortTransfer,
     skip_layer_write => Fault::SkipLayerWrite,
     stale_block_table => Fault::StaleBlockTable,
-    overlapping_transfer => Fault::OverlappingTransfer,
     double_free => Fault::DoubleFree,
+    overlapping_transfer => Fault::OverlappingTransfer,
     padding_slot_wrap => Fault::PaddingSlotWrap,
 }
 

@@ -14,8 +14,8 @@
 //! | `short-transfer` | prefill drops the last piece of a prompt whose KV goes in several pieces (an off-by-one in the piece loop), yet reports the prefill done; decode commits and reads the whole prompt |
 //! | `skip-layer-write` | a prefill chunk longer than [`crate::model::forward::LONG_CHUNK_TOKENS`] takes a store path whose layer loop stops one layer short: the chunk's slots keep the page's previous owner's KV for the last layer, which attention then reads and prefill ships |
 //! | `stale-block-table` | preemption frees a sequence's pages from a copy of its block table and the sequence keeps its own: on resume it recomputes and decodes through `PageRef`s to pages the free list has since handed to another request |
-//! | `overlapping-transfer` | decode computes the destination of a KV transfer message back from its end with the page count taken as `tokens / page_slots + 1`: a message ending on a page boundary is written one page early, its first page's KV landing in the physically preceding page — another request's |
 //! | `double-free` | a request's release frees its tail page on its own and then again with the rest of its block table, and the pool (no "already free" check) puts the page on the free list twice: the next two allocations hand the same page to two requests |
+//! | `overlapping-transfer` | decode computes the destination of a KV transfer message back from its end with the page count taken as `tokens / page_slots + 1`: a message ending on a page boundary is written one page early, its first page's KV landing in the physically preceding page — another request's |
 //! | `padding-slot-wrap` | a batch of two or more rows is padded to a multiple of 4 rows (fixed batch shapes); each padding row repeats the first row's last token with slot mapping −1, which, unchecked, wraps to the pool's last slot: the first row's KV lands in the page of whichever request owns the pool's last page |
 
 pub mod scenario;
@@ -33,10 +33,10 @@ pub enum Fault {
     SkipLayerWrite,
     /// A preempted sequence keeps `PageRef`s to its freed pages.
     StaleBlockTable,
-    /// A KV transfer descriptor spills into the neighbouring page.
-    OverlappingTransfer,
     /// A released sequence's tail page is freed twice and handed out twice.
     DoubleFree,
+    /// A KV transfer descriptor spills into the neighbouring page.
+    OverlappingTransfer,
     /// A padded batch row writes slot −1, i.e. the pool's last slot.
     PaddingSlotWrap,
 }
@@ -61,8 +61,8 @@ impl Fault {
             Fault::ShortTransfer => "short-transfer",
             Fault::StaleBlockTable => "stale-block-table",
             Fault::SkipLayerWrite => "skip-layer-write",
-            Fault::OverlappingTransfer => "overlapping-transfer",
             Fault::DoubleFree => "double-free",
+            Fault::OverlappingTransfer => "overlapping-transfer",
             Fault::PaddingSlotWrap => "padding-slot-wrap",
         }
     }
