@@ -295,11 +295,16 @@ impl PrefillNode {
             self.core.stats.transfers += 1;
             first += tokens;
         }
+        // The pages go back before decode hears the prefill is done: decode
+        // may finish the request at once (a one-token answer), and a
+        // sanitizer shared by both nodes would then see a finished request
+        // still holding prefill pages.
+        let request = seq.owner.request;
+        self.end(seq, RequestEvent::Finished);
         let _ = link.send(ToDecode::PrefillDone {
-            request: seq.owner.request,
+            request,
             first_token,
         });
-        self.end(seq, RequestEvent::Finished);
     }
 
     /// Frees a request's pages; reports the end when this node owns the lifecycle.
