@@ -253,6 +253,7 @@ macro_rules! fault_tests {
 
 fault_tests! {
     reject_as_placeholder => Fault::RejectAsPlaceholder,
+    free_during_transfer => Fault::FreeDuringTransfer,
     short_transfer => Fault::ShortTransfer,
     skip_layer_write => Fault::SkipLayerWrite,
     stale_block_table => Fault::StaleBlockTable,

@@ -11,6 +11,7 @@
 //! | fault | what the engine then does wrong |
 //! | --- | --- |
 //! | `reject-as-placeholder` | an oversize prompt is rejected into a one-token placeholder; the disaggregated admission checks "finished" instead of "rejected", so decode reserves pages for the whole prompt, prefill sends KV for one token, and decode reads its whole reservation |
+//! | `free-during-transfer` | decode, cancelling a request whose KV is on its way, frees its reserved pages at once and takes the transfer in flight for one that cannot be stopped: prefill is not told, and the KV, computed later, is still received into the freed pages — by then another request's |
 //! | `short-transfer` | prefill drops the last piece of a prompt whose KV goes in several pieces (an off-by-one in the piece loop), yet reports the prefill done; decode commits and reads the whole prompt |
 //! | `skip-layer-write` | a prefill chunk longer than [`crate::model::forward::LONG_CHUNK_TOKENS`] takes a store path whose layer loop stops one layer short: the chunk's slots keep the page's previous owner's KV for the last layer, which attention then reads and prefill ships |
 //! | `stale-block-table` | preemption frees a sequence's pages from a copy of its block table and the sequence keeps its own: on resume it recomputes and decodes through `PageRef`s to pages the free list has since handed to another request |
@@ -31,6 +32,9 @@ pub enum Fault {
     ShortTransfer,
     /// A long prefill chunk's KV store skips the last layer.
     SkipLayerWrite,
+    /// Decode frees a cancelled request's pages while its transfer is in
+    /// flight; the late KV lands in pages now another request's.
+    FreeDuringTransfer,
     /// A preempted sequence keeps `PageRef`s to its freed pages.
     StaleBlockTable,
     /// A released sequence's tail page is freed twice and handed out twice.
@@ -43,8 +47,9 @@ pub enum Fault {
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; 8] = [
         Fault::RejectAsPlaceholder,
+        Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
         Fault::SkipLayerWrite,
         Fault::StaleBlockTable,
@@ -58,6 +63,7 @@ impl Fault {
     pub fn name(self) -> &'static str {
         match self {
             Fault::RejectAsPlaceholder => "reject-as-placeholder",
+            Fault::FreeDuringTransfer => "free-during-transfer",
             Fault::ShortTransfer => "short-transfer",
             Fault::StaleBlockTable => "stale-block-table",
             Fault::SkipLayerWrite => "skip-layer-write",

@@ -129,6 +129,21 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::FreeDuringTransfer => Scenario {
+                fault,
+                expected: ViolationKind::TerminalRequestActivity,
+                culprit: Culprit::Ended,
+                kernel_check: None,
+                victim_end: VictimEnd::Cancelled,
+                configure: |cfg| {
+                    // Small steps: the filler's prefill takes many of them.
+                    // Decode holds the probe's whole answer next to the
+                    // filler's and the victim's reservations.
+                    cfg.scheduler.step_tokens = FDT_STEP_TOKENS;
+                    cfg.decode_pool_tokens = Some(FDT_DECODE_POOL_TOKENS);
+                },
+                drive: free_during_transfer,
+            },
             Fault::ShortTransfer => Scenario {
                 fault,
                 expected: ViolationKind::ShortTransfer,
@@ -359,6 +374,80 @@ impl Scenario {
         Ok(run)
     }
 }
+
+/// `free-during-transfer`: the probe decodes while the victim, cancelled
+/// with its KV on the way, is prefilled behind a long filler prompt. The
+/// cancel frees the victim's decode pages; the probe's next page (one every
+/// 16 decode tokens) comes off the top of the free list, one of them, and
+/// holds its decode KV; under the fault the victim's KV lands there after
+/// the filler's prefill, and the probe reads it for the rest of its answer.
+/// With the sanitizer, prefill's first work for the victim, which decode
+/// has reported aborted, is refused (terminal-request-activity), so nothing
+/// is sent and the probe gets a correct engine's answer.
+///
+/// Orderings: reservations and prefills go in submission order, so the
+/// filler's prefill comes before the victim's; the cancel is sent once the
+/// victim's order has reached prefill (seen in its stats), so decode holds
+/// the victim as transferring when the cancel comes. Margins, each in the
+/// cheap one-token decode steps against the costlier prefill steps: the
+/// cancel must reach decode before the filler's `FDT_FILLER_TOKENS /
+/// FDT_STEP_TOKENS` = 32 prefill steps are done; the probe needs at most 16
+/// decode steps to take a freed page before the victim's KV lands, and its
+/// `FDT_PROBE_ANSWER` = 4,000 decode steps must outlast the filler's and the
+/// victim's 39 prefill steps. Measured on a loaded 2-core machine, the
+/// victim's KV landed 400 to 520 decode steps after the cancel, at the
+/// probe's step 540 to 600: about 25 times the first bound, a sixth of the
+/// second.
+fn free_during_transfer(engine: &Engine, seed: u32) -> ScenarioRun {
+    let p = engine.submit(probe(FDT_PROBE_TOKENS, FDT_PROBE_ANSWER));
+    // The probe decodes (and is done on prefill) before the others come.
+    let first = p.events.recv();
+    let filler = engine.submit(request(BYSTANDER_TENANT, vec![11; FDT_FILLER_TOKENS], 1));
+    let v = engine.submit(victim(seed, FDT_VICTIM_TOKENS, 8));
+    // Prefill holds the filler and the victim's order: decode has reserved
+    // the victim's pages and waits for its KV.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
+        let queued = engine.stats().prefill.map_or(0, |s| s.running + s.waiting);
+        if queued >= 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    engine.cancel(v.id);
+    let probe = match first {
+        Ok(crate::request::Event::Token(t)) => p.wait().map(|mut out| {
+            out.tokens.insert(0, t);
+            out
+        }),
+        Ok(crate::request::Event::Error(e)) => Err(e),
+        Ok(crate::request::Event::Finished { reason, .. }) => Ok(Output {
+            tokens: Vec::new(),
+            reason,
+        }),
+        Err(_) => p.wait(),
+    };
+    let victim = v.wait();
+    let _ = filler.wait();
+    let bystander = engine.submit(bystander());
+    finish(victim, probe, &bystander)
+}
+
+/// `free-during-transfer`: the step budget of both nodes.
+const FDT_STEP_TOKENS: usize = 16;
+/// `free-during-transfer`: the decode pool, room for the probe's whole
+/// answer and the others' reservations.
+const FDT_DECODE_POOL_TOKENS: usize = 8192;
+/// `free-during-transfer`: the probe's prompt.
+const FDT_PROBE_TOKENS: u32 = 20;
+/// `free-during-transfer`: the probe's answer, long enough to go on well
+/// after the victim's KV lands.
+const FDT_PROBE_ANSWER: usize = 4000;
+/// `free-during-transfer`: the filler's prompt, whose prefill keeps the
+/// victim's back.
+const FDT_FILLER_TOKENS: usize = 512;
+/// `free-during-transfer`: the victim's prompt, seven decode pages.
+const FDT_VICTIM_TOKENS: u32 = 100;
 
 /// `padding-slot-wrap`: the prefill step budget.
 const PAD_STEP_TOKENS: usize = 32;

@@ -44,6 +44,10 @@ pub(crate) struct DecodeNode {
     reserve: VecDeque<Sequence>,
     /// Pages reserved, KV on its way from prefill.
     transferring: HashMap<RequestId, Sequence>,
+    /// Fault `free-during-transfer`: requests cancelled while their KV was
+    /// on its way, whose transfer was never fenced, with the destination
+    /// pages it still lands in.
+    unfenced: HashMap<RequestId, Vec<PageRef>>,
     tx: Sender<Command>,
 }
 
@@ -63,6 +67,7 @@ impl DecodeNode {
             unchecked: VecDeque::new(),
             reserve: VecDeque::new(),
             transferring: HashMap::new(),
+            unfenced: HashMap::new(),
             tx,
         }
     }
@@ -295,6 +300,7 @@ impl DecodeNode {
                 first_token,
             }) => self.commit(request, first_token),
             Inbound::Message(ToDecode::PrefillFailed { request, error }) => {
+                self.unfenced.remove(&request);
                 if let Some(seq) = self.transferring.remove(&request) {
                     fail(&mut self.core, seq, error);
                 }
@@ -335,6 +341,12 @@ impl DecodeNode {
         let KvTransfer { manifest, payload } = transfer;
         let id = manifest.request.request;
         let Some(seq) = self.transferring.get(&id) else {
+            if self.unfenced.get(&id).is_some_and(|pages| {
+                manifest.dst_pool == self.core.pool_id && manifest.dst_pages == *pages
+            }) {
+                self.land_late(&manifest, &payload);
+                return;
+            }
             tracing::warn!(node = %self.core.name, request = id.0, "KV transfer for an unknown request dropped");
             return;
         };
@@ -370,21 +382,44 @@ impl DecodeNode {
             fail(&mut self.core, seq, e);
             return;
         }
-        if let KvPayload::Bytes(bytes) = &payload {
-            let layers = manifest.layers.start as usize..manifest.layers.end as usize;
-            let mut at = 0;
-            for (idx, slots) in kv_slices(&manifest, self.core.pool.page_slots()) {
-                let page = manifest.dst_pages[idx].page;
-                match self
-                    .core
-                    .pool
-                    .unpack_slots(page, slots, layers.clone(), &bytes[at..])
-                {
-                    Ok(n) => at += n,
-                    Err(e) => {
-                        tracing::error!(node = %self.core.name, request = id.0, "{e}");
-                        break;
-                    }
+        self.unpack(&manifest, &payload);
+    }
+
+    /// Fault `free-during-transfer`: the KV of a request cancelled while
+    /// its transfer was in flight lands after all, in the destination pages
+    /// the request held, which the free list may have handed to another
+    /// request since (the late DMA of an unfenced transfer). The hook sees
+    /// it first; on its abort verdict nothing is written (the request has
+    /// already ended, so there is nobody to fail).
+    fn land_late(&mut self, manifest: &Manifest, payload: &KvPayload) {
+        let id = manifest.request.request;
+        let verdict = self.core.hooks.transfer_recv(self.core.pool_id, manifest);
+        self.core.stats.transfers += 1;
+        if !verdict.is_continue() {
+            tracing::warn!(node = %self.core.name, request = id.0, "late KV transfer refused");
+            return;
+        }
+        self.unpack(manifest, payload);
+    }
+
+    /// Writes a transfer's bytes into the pages its manifest names.
+    fn unpack(&mut self, manifest: &Manifest, payload: &KvPayload) {
+        let KvPayload::Bytes(bytes) = payload else {
+            return;
+        };
+        let layers = manifest.layers.start as usize..manifest.layers.end as usize;
+        let mut at = 0;
+        for (idx, slots) in kv_slices(manifest, self.core.pool.page_slots()) {
+            let page = manifest.dst_pages[idx].page;
+            match self
+                .core
+                .pool
+                .unpack_slots(page, slots, layers.clone(), &bytes[at..])
+            {
+                Ok(n) => at += n,
+                Err(e) => {
+                    tracing::error!(node = %self.core.name, request = manifest.request.request.0, "{e}");
+                    break;
                 }
             }
         }
@@ -479,6 +514,7 @@ impl DecodeNode {
     /// Prefill finished: commit the received KV and start decoding.
     fn commit(&mut self, request: RequestId, first_token: u32) {
         let Some(mut seq) = self.transferring.remove(&request) else {
+            self.unfenced.remove(&request);
             tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
             return;
         };
@@ -526,7 +562,15 @@ impl DecodeNode {
     fn cancel(&mut self, id: RequestId) {
         let cancelled = RequestError::new(ErrorKind::Cancelled, "cancelled by the client");
         if let Some(seq) = self.transferring.remove(&id) {
-            self.cancel_at_prefill(id);
+            if faults::active(Fault::FreeDuringTransfer) {
+                // The pages go back to the free list at once, but the
+                // transfer in flight is taken for one that cannot be
+                // stopped: prefill is not told, and its KV is still
+                // received into the pages (`land_late`).
+                self.unfenced.insert(id, seq.table.clone());
+            } else {
+                self.cancel_at_prefill(id);
+            }
             fail(&mut self.core, seq, cancelled);
         } else if let Some(i) = self.reserve.iter().position(|s| s.owner.request == id) {
             let seq = self.reserve.remove(i).expect("index found");
@@ -543,6 +587,7 @@ impl DecodeNode {
     /// Aborts every request that still needs the prefill node; frees their pages.
     fn fail_waiting_for_prefill(&mut self, why: &str) {
         let error = RequestError::new(ErrorKind::Transport, why);
+        self.unfenced.clear();
         let waiting: Vec<Sequence> = self
             .transferring
             .drain()
