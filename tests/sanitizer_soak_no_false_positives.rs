@@ -7,11 +7,18 @@
 //! disaggregated engine); chunked prefill (small steps); preemption (small
 //! pools); client cancels at random points; poisoned and quarantined freed
 //! pages.
+//!
+//! The same soak runs once more in a child process of this test binary
+//! (built without `sanitize`) under `LD_PRELOAD` of the shim: the engine
+//! finds the shim's hook table itself, and the shim's exit summary must say
+//! zero violations and a non-zero number of checks.
+
+mod shim_common;
 
 use std::sync::{Arc, Mutex};
 
 use kvsan_engine::engine::{Engine, EngineConfig, RequestHandle};
-use kvsan_engine::hooks::Hooks;
+use kvsan_engine::hooks::{HookTarget, Hooks};
 use kvsan_engine::model::{AttentionCheck, SyntheticSpec};
 use kvsan_engine::request::{ErrorKind, Request};
 use kvsan_engine::sampler::SamplingParams;
@@ -88,7 +95,19 @@ fn plan(rng: &mut Rng, disaggregated: bool) -> (Plan, Request) {
     (plan, request)
 }
 
+/// Which sanitizer the soak runs under.
+enum Under {
+    /// The in-process sanitizer, whose reports the test reads.
+    InProcess,
+    /// Whatever this process found at start-up: the preloaded shim.
+    Environment,
+}
+
 fn soak(disaggregated: bool) {
+    soak_under(disaggregated, &Under::InProcess);
+}
+
+fn soak_under(disaggregated: bool, under: &Under) {
     let model = Arc::new(
         SyntheticSpec {
             context_length: CONTEXT,
@@ -102,6 +121,14 @@ fn soak(disaggregated: bool) {
         Options::parse("quarantine_pages=8:poison=1").expect("options"),
         sink.clone(),
     ));
+    let hooks = match under {
+        Under::InProcess => Hooks::sanitizer(sanitizer.clone()),
+        Under::Environment => {
+            let hooks = Hooks::from_environment().expect("hooks");
+            assert_eq!(hooks.target(), HookTarget::CTable, "the shim is attached");
+            hooks
+        }
+    };
     let cfg = EngineConfig {
         context: Some(CONTEXT),
         pool_tokens: Some(768),
@@ -113,7 +140,7 @@ fn soak(disaggregated: bool) {
             max_running: 8,
         },
         check: AttentionCheck::Generations,
-        hooks: Hooks::sanitizer(sanitizer.clone()),
+        hooks,
         ..EngineConfig::default()
     };
     let engine = if disaggregated {
@@ -208,4 +235,41 @@ fn unified_engine_with_the_sanitizer_answers_600_mixed_requests_without_a_violat
 #[test]
 fn disaggregated_engine_with_the_sanitizer_answers_600_mixed_requests_without_a_violation() {
     soak(true);
+}
+
+const SHIM_CHILD: &str = "KVSAN_TEST_SOAK_UNDER_SHIM";
+
+#[test]
+fn under_the_shim_both_topologies_answer_600_mixed_requests_without_a_violation() {
+    if std::env::var_os(SHIM_CHILD).is_some() {
+        soak_under(false, &Under::Environment);
+        soak_under(true, &Under::Environment);
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            "under_the_shim_both_topologies_answer_600_mixed_requests_without_a_violation",
+            "--nocapture",
+        ])
+        .env(SHIM_CHILD, "1")
+        .env("LD_PRELOAD", shim_common::shim_library())
+        .env("KVSAN_OPTIONS", "quarantine_pages=8:poison=1")
+        .output()
+        .expect("child");
+    let (stdout, stderr) = shim_common::texts(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("kvsan: attached"), "{stderr}");
+    let summary = stderr
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("kvsan: ") && l.contains(" checks"))
+        .unwrap_or_else(|| panic!("no summary line: {stderr}"));
+    assert!(summary.starts_with("kvsan: 0 violations"), "{summary}");
+    let checks: u64 = summary
+        .rsplit("; ")
+        .next()
+        .and_then(|t| t.trim_end_matches(" checks").replace(',', "").parse().ok())
+        .unwrap_or_else(|| panic!("checks in {summary}"));
+    assert!(checks > 100_000, "{summary}");
 }
