@@ -260,6 +260,7 @@ fault_tests! {
     double_free => Fault::DoubleFree,
     overlapping_transfer => Fault::OverlappingTransfer,
     padding_slot_wrap => Fault::PaddingSlotWrap,
+    commit_after_abort => Fault::CommitAfterAbort,
 }
 
 macro_rules! kernel_check_tests {

@@ -402,7 +402,10 @@ impl Sanitizer {
                         Finding::new(ViolationKind::TerminalRequestActivity, owner, "allocating")
                             .at(pool, PageRef { page, generation })
                             .step(Some(step))
-                            .detail(format!("a {} request allocates a page", state.name())),
+                            .detail(format!(
+                                "{} request allocates a page",
+                                with_article(state.name())
+                            )),
                     )
                 } else {
                     Verdict::Continue
@@ -508,7 +511,10 @@ impl Sanitizer {
             return Ok(self.violation(
                 Finding::new(ViolationKind::TerminalRequestActivity, sharer, "sharing")
                     .at(pool, page)
-                    .detail(format!("a {} request takes a shared page", state.name())),
+                    .detail(format!(
+                        "{} request takes a shared page",
+                        with_article(state.name())
+                    )),
             ));
         }
         match shadow.add_sharer(view, page, sharer) {
@@ -657,8 +663,8 @@ impl Sanitizer {
                 Finding::new(ViolationKind::TerminalRequestActivity, owner, "reading")
                     .step(Some(step))
                     .detail(format!(
-                        "a {} request reads {tokens} tokens of KV",
-                        state.name()
+                        "{} request reads {tokens} tokens of KV",
+                        with_article(state.name())
                     )),
             ));
         }
@@ -850,8 +856,8 @@ impl Sanitizer {
             self.violation(
                 Finding::new(ViolationKind::TerminalRequestActivity, owner, action).detail(
                     format!(
-                        "a {} request transfers tokens {}..{}",
-                        state.name(),
+                        "{} request transfers tokens {}..{}",
+                        with_article(state.name()),
                         manifest.first_token,
                         manifest.token_range().end
                     ),
@@ -946,8 +952,8 @@ impl Sanitizer {
             return Ok(self.violation(
                 Finding::new(ViolationKind::TerminalRequestActivity, owner, "committing").detail(
                     format!(
-                        "a {} request commits {committed_tokens} received tokens",
-                        state.name()
+                        "{} request commits {committed_tokens} received tokens",
+                        with_article(state.name())
                     ),
                 ),
             ));
@@ -1216,4 +1222,14 @@ impl Sanitizer {
             history,
         }
     }
+}
+
+/// `word` with its indefinite article: "an aborted", "a rejected".
+fn with_article(word: &str) -> String {
+    let article = if word.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {word}")
 }

@@ -417,6 +417,24 @@ fn an_aborted_request_that_reads_sends_or_writes_is_terminal_request_activity() 
     f.free(f.prefill, A, page, 7);
 }
 
+/// `commit-after-abort` as a decode node with a sanitizer of its own sees
+/// it: the completion of a request cancelled while its KV was on its way is
+/// committed through the block table of its freed pages.
+#[test]
+fn an_aborted_request_that_commits_is_terminal_request_activity() {
+    let f = fixture();
+    let dst = f.alloc(f.decode, 3, A, 1);
+    f.free(f.decode, A, dst, 2);
+    assert!(f.san.request_event(A, RequestEvent::Aborted).is_continue());
+    let v = f.san.transfer_commit(f.decode, A, &[dst], 16).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::TerminalRequestActivity));
+    let text = f.out.text();
+    assert!(
+        text.contains("an aborted request commits 16 received tokens"),
+        "{text}"
+    );
+}
+
 #[test]
 fn an_admitted_request_that_allocates_passes() {
     let f = fixture();

@@ -17,6 +17,7 @@
 //! | `stale-block-table` | preemption frees a sequence's pages from a copy of its block table and the sequence keeps its own: on resume it recomputes and decodes through `PageRef`s to pages the free list has since handed to another request |
 //! | `double-free` | a request's release frees its tail page on its own and then again with the rest of its block table, and the pool (no "already free" check) puts the page on the free list twice: the next two allocations hand the same page to two requests |
 //! | `overlapping-transfer` | decode computes the destination of a KV transfer message back from its end with the page count taken as `tokens / page_slots + 1`: a message ending on a page boundary is written one page early, its first page's KV landing in the physically preceding page — another request's |
+//! | `commit-after-abort` | decode, cancelling a request whose KV is on its way, frees its reserved pages at once and leaves the request's record for the transfer's end to clean up (prefill is not told; the KV pieces that still come are dropped): the completion — prefill's commit of the last chunk, with the first token — is not checked against the cancel, so decode commits the cancelled request and decodes it through the block table it had, writing its tokens' KV into pages the free list has since handed to another request |
 //! | `padding-slot-wrap` | a batch of two or more rows is padded to a multiple of 4 rows (fixed batch shapes); each padding row repeats the first row's last token with slot mapping −1, which, unchecked, wraps to the pool's last slot: the first row's KV lands in the page of whichever request owns the pool's last page |
 
 pub mod scenario;
@@ -43,11 +44,14 @@ pub enum Fault {
     OverlappingTransfer,
     /// A padded batch row writes slot −1, i.e. the pool's last slot.
     PaddingSlotWrap,
+    /// The completion of a request cancelled while its KV was on its way
+    /// is committed anyway: the request decodes through its freed pages.
+    CommitAfterAbort,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 8] = [
+    pub const ALL: [Fault; 9] = [
         Fault::RejectAsPlaceholder,
         Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
@@ -56,6 +60,7 @@ impl Fault {
         Fault::DoubleFree,
         Fault::PaddingSlotWrap,
         Fault::OverlappingTransfer,
+        Fault::CommitAfterAbort,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -70,6 +75,7 @@ impl Fault {
             Fault::DoubleFree => "double-free",
             Fault::OverlappingTransfer => "overlapping-transfer",
             Fault::PaddingSlotWrap => "padding-slot-wrap",
+            Fault::CommitAfterAbort => "commit-after-abort",
         }
     }
 

@@ -144,6 +144,13 @@ impl Scenario {
                 },
                 drive: free_during_transfer,
             },
+            Fault::CommitAfterAbort => Scenario {
+                fault,
+                drive: commit_after_abort,
+                // The settings, kind, culprit and victim's end of
+                // free-during-transfer, whose script it shares.
+                ..Scenario::of(Fault::FreeDuringTransfer)
+            },
             Fault::ShortTransfer => Scenario {
                 fault,
                 expected: ViolationKind::ShortTransfer,
@@ -399,11 +406,41 @@ impl Scenario {
 /// probe's step 540 to 600: about 25 times the first bound, a sixth of the
 /// second.
 fn free_during_transfer(engine: &Engine, seed: u32) -> ScenarioRun {
+    cancel_behind_filler(engine, victim(seed, FDT_VICTIM_TOKENS, 8))
+}
+
+/// `commit-after-abort`: the script of `free-during-transfer`, with a
+/// victim of three prefill chunks (`CAA_VICTIM_TOKENS`, three decode
+/// pages). The cancel frees the victim's decode pages and leaves its record;
+/// the probe's next three pages (one every 16 decode steps) come off the top
+/// of the free list, the victim's, and hold its decode KV. Under the fault
+/// the victim's KV, computed after the filler's, is dropped, but its
+/// completion is committed: the victim decodes its 8 tokens through its old
+/// block table, and its first 7 write their KV into slots 8 to 14 of its
+/// last page, the probe's third new page, which the probe attends over for
+/// the rest of its answer. With the sanitizer, as for `free-during-transfer`,
+/// prefill's first work for the cancelled victim is refused
+/// (terminal-request-activity), prefill reports it failed, decode drops the
+/// record, and the probe gets a correct engine's answer.
+///
+/// The margins are those of `free-during-transfer` with 48 decode steps
+/// (three pages) in place of 16 for the probe to take the victim's pages
+/// before the victim's completion comes, which was 400 to 520 decode steps
+/// after the cancel on a loaded 2-core machine.
+fn commit_after_abort(engine: &Engine, seed: u32) -> ScenarioRun {
+    cancel_behind_filler(engine, victim(seed, CAA_VICTIM_TOKENS, 8))
+}
+
+/// The script `free-during-transfer` and `commit-after-abort` share: a
+/// probe decoding a long answer, then a filler whose prefill keeps the
+/// `victim`'s back, then the victim, cancelled once its order waits at
+/// prefill.
+fn cancel_behind_filler(engine: &Engine, victim: Request) -> ScenarioRun {
     let p = engine.submit(probe(FDT_PROBE_TOKENS, FDT_PROBE_ANSWER));
     // The probe decodes (and is done on prefill) before the others come.
     let first = p.events.recv();
     let filler = engine.submit(request(BYSTANDER_TENANT, vec![11; FDT_FILLER_TOKENS], 1));
-    let v = engine.submit(victim(seed, FDT_VICTIM_TOKENS, 8));
+    let v = engine.submit(victim);
     // Prefill holds the filler and the victim's order: decode has reserved
     // the victim's pages and waits for its KV.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -448,6 +485,10 @@ const FDT_PROBE_ANSWER: usize = 4000;
 const FDT_FILLER_TOKENS: usize = 512;
 /// `free-during-transfer`: the victim's prompt, seven decode pages.
 const FDT_VICTIM_TOKENS: u32 = 100;
+
+/// `commit-after-abort`: the victim's prompt, three prefill chunks and
+/// three decode pages, the last half full.
+const CAA_VICTIM_TOKENS: u32 = 40;
 
 /// `padding-slot-wrap`: the prefill step budget.
 const PAD_STEP_TOKENS: usize = 32;

@@ -48,6 +48,10 @@ pub(crate) struct DecodeNode {
     /// on its way, whose transfer was never fenced, with the destination
     /// pages it still lands in.
     unfenced: HashMap<RequestId, Vec<PageRef>>,
+    /// Fault `commit-after-abort`: requests cancelled while their KV was on
+    /// its way, whose pages are already back on the free list, left with the
+    /// block table they had for the end of their transfer to clean up.
+    left_for_cleanup: HashMap<RequestId, Sequence>,
     tx: Sender<Command>,
 }
 
@@ -68,6 +72,7 @@ impl DecodeNode {
             reserve: VecDeque::new(),
             transferring: HashMap::new(),
             unfenced: HashMap::new(),
+            left_for_cleanup: HashMap::new(),
             tx,
         }
     }
@@ -301,6 +306,7 @@ impl DecodeNode {
             }) => self.commit(request, first_token),
             Inbound::Message(ToDecode::PrefillFailed { request, error }) => {
                 self.unfenced.remove(&request);
+                self.left_for_cleanup.remove(&request);
                 if let Some(seq) = self.transferring.remove(&request) {
                     fail(&mut self.core, seq, error);
                 }
@@ -341,6 +347,11 @@ impl DecodeNode {
         let KvTransfer { manifest, payload } = transfer;
         let id = manifest.request.request;
         let Some(seq) = self.transferring.get(&id) else {
+            if self.left_for_cleanup.contains_key(&id) {
+                // Fault `commit-after-abort`: the cancelled request's KV is
+                // dropped; the cleanup waits for its completion.
+                return;
+            }
             if self.unfenced.get(&id).is_some_and(|pages| {
                 manifest.dst_pool == self.core.pool_id && manifest.dst_pages == *pages
             }) {
@@ -513,10 +524,19 @@ impl DecodeNode {
 
     /// Prefill finished: commit the received KV and start decoding.
     fn commit(&mut self, request: RequestId, first_token: u32) {
-        let Some(mut seq) = self.transferring.remove(&request) else {
-            self.unfenced.remove(&request);
-            tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
-            return;
+        // Fault `commit-after-abort`: the completion of a request cancelled
+        // while its KV was on its way is taken for a live one's. The record
+        // left for cleanup still has the block table of its freed pages.
+        let (mut seq, cancelled) = match self.transferring.remove(&request) {
+            Some(seq) => (seq, false),
+            None => match self.left_for_cleanup.remove(&request) {
+                Some(seq) => (seq, true),
+                None => {
+                    self.unfenced.remove(&request);
+                    tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
+                    return;
+                }
+            },
         };
         let verdict = self.core.hooks.transfer_commit(
             self.core.pool_id,
@@ -525,6 +545,12 @@ impl DecodeNode {
             seq.prompt_len,
         );
         if !verdict.is_continue() {
+            if cancelled {
+                // Its client has its answer and its pages are not its own
+                // any more: nothing to fail, nothing to free.
+                tracing::warn!(node = %self.core.name, request = request.0, "commit of a cancelled request refused");
+                return;
+            }
             let e = violation_error(verdict, &self.core.name);
             fail(&mut self.core, seq, e);
             return;
@@ -562,6 +588,10 @@ impl DecodeNode {
     fn cancel(&mut self, id: RequestId) {
         let cancelled = RequestError::new(ErrorKind::Cancelled, "cancelled by the client");
         if let Some(seq) = self.transferring.remove(&id) {
+            if faults::active(Fault::CommitAfterAbort) {
+                self.cancel_lazily(seq, cancelled);
+                return;
+            }
             if faults::active(Fault::FreeDuringTransfer) {
                 // The pages go back to the free list at once, but the
                 // transfer in flight is taken for one that cannot be
@@ -584,10 +614,28 @@ impl DecodeNode {
         }
     }
 
+    /// Fault `commit-after-abort`: a cancel of a request whose KV is on its
+    /// way that cleans up lazily. The pages go back to the free list and the
+    /// client gets its answer at once; the request's record, block table
+    /// included, is left for the end of the transfer to remove, and prefill
+    /// is not told (its completion is the cleanup's cue). The KV pieces
+    /// still to come are dropped (`receive`), the completion is not
+    /// (`commit`).
+    fn cancel_lazily(&mut self, mut seq: Sequence, error: RequestError) {
+        let table = seq.table.clone();
+        self.core.release(&mut seq);
+        let _ = self.core.event(seq.owner, RequestEvent::Aborted);
+        tracing::info!(node = %self.core.name, request = seq.owner.request.0, "request cancelled; its record waits for its transfer's end");
+        seq.fail(error);
+        seq.table = table;
+        self.left_for_cleanup.insert(seq.owner.request, seq);
+    }
+
     /// Aborts every request that still needs the prefill node; frees their pages.
     fn fail_waiting_for_prefill(&mut self, why: &str) {
         let error = RequestError::new(ErrorKind::Transport, why);
         self.unfenced.clear();
+        self.left_for_cleanup.clear();
         let waiting: Vec<Sequence> = self
             .transferring
             .drain()
