@@ -49,6 +49,22 @@ impl std::io::Write for Sink {
     }
 }
 
+impl Sink {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()).expect("utf-8")
+    }
+}
+
+/// A sanitizer writing its text reports where the test reads them.
+fn sanitizer_with_sink() -> (Arc<Sanitizer>, Sink) {
+    let sink = Sink::default();
+    let sanitizer = Arc::new(Sanitizer::with_writer(
+        Options::parse("report_format=text").expect("options"),
+        sink.clone(),
+    ));
+    (sanitizer, sink)
+}
+
 /// What a client of the probe sees: its tokens, or its error's kind and
 /// rejection limit (messages carry request ids, which differ run to run).
 fn seen(r: &Result<Output, RequestError>) -> String {
@@ -149,11 +165,7 @@ fn assert_probe_as_without_the_fault(fault: Fault, culprit: Culprit, run: &Scena
 
 fn sanitized_aborts_the_culprit(fault: Fault) {
     let scenario = Scenario::of(fault);
-    let sink = Sink::default();
-    let sanitizer = Arc::new(Sanitizer::with_writer(
-        Options::parse("report_format=text").expect("options"),
-        sink.clone(),
-    ));
+    let (sanitizer, sink) = sanitizer_with_sink();
     let run = {
         let _turn = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
         let model = scenario_model().expect("synthetic model");
@@ -167,7 +179,7 @@ fn sanitized_aborts_the_culprit(fault: Fault) {
             )
             .expect("engine")
     };
-    let report = String::from_utf8(sink.0.lock().expect("sink").clone()).expect("utf-8");
+    let report = sink.text();
     let expected = scenario.expected.name();
     let id = match culprit_of(scenario.culprit, &run) {
         Some(outcome) => {
@@ -296,4 +308,56 @@ fn not_injected_the_oversize_probe_is_rejected_at_the_prefill_pool_limit() {
         err.rejection.as_ref().map(|r| (r.limit, r.node.as_str())),
         Some((256, "prefill"))
     );
+}
+
+/// `commit-after-abort` on a deployment whose decode node has a sanitizer
+/// and whose prefill node, a process of its own, has none: the run and the
+/// sanitizer's text reports.
+fn caa_with_a_sanitizer_on_decode_alone(inject: bool) -> (ScenarioRun, Arc<Sanitizer>, String) {
+    let (sanitizer, sink) = sanitizer_with_sink();
+    let run = {
+        let _turn = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+        let model = scenario_model().expect("synthetic model");
+        Scenario::of(Fault::CommitAfterAbort)
+            .run_separate(
+                &model,
+                Hooks::sanitizer(sanitizer.clone()),
+                Hooks::none(),
+                AttentionCheck::Generations,
+                1,
+                inject,
+            )
+            .expect("engine")
+    };
+    (run, sanitizer, sink.text())
+}
+
+/// Injected: prefill computes and ships the cancelled victim, decode drops
+/// its KV, and the sanitizer refuses the completion's commit
+/// (terminal-request-activity) before the victim decodes a step; the probe
+/// gets the correct engine's answer.
+#[test]
+fn commit_after_abort_with_a_sanitizer_on_decode_alone_is_refused_at_the_commit() {
+    let (run, sanitizer, report) = caa_with_a_sanitizer_on_decode_alone(true);
+    let kinds: Vec<_> = sanitizer.violations().iter().map(|v| v.kind).collect();
+    assert_eq!(
+        kinds,
+        [kvsan_sanitizer::ViolationKind::TerminalRequestActivity],
+        "{report}"
+    );
+    assert!(
+        report.contains("committing") && report.contains("an aborted request commits"),
+        "{report}"
+    );
+    assert_bystander_and_victim(Fault::CommitAfterAbort, Culprit::Ended, &run);
+    assert_probe_as_without_the_fault(Fault::CommitAfterAbort, Culprit::Ended, &run);
+}
+
+/// Not injected: no violation, and the probe's answer is the one engine's.
+#[test]
+fn commit_after_abort_off_with_a_sanitizer_on_decode_alone_passes() {
+    let (run, sanitizer, report) = caa_with_a_sanitizer_on_decode_alone(false);
+    assert!(sanitizer.violations().is_empty(), "{report}");
+    assert_bystander_and_victim(Fault::CommitAfterAbort, Culprit::Ended, &run);
+    assert_probe_as_without_the_fault(Fault::CommitAfterAbort, Culprit::Ended, &run);
 }

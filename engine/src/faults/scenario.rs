@@ -368,6 +368,57 @@ impl Scenario {
         inject: bool,
     ) -> Result<ScenarioRun, EngineError> {
         let engine = Engine::disaggregated(model.clone(), &self.config(hooks, check))?;
+        self.drive_injecting(&engine, victim_seed, inject)
+    }
+
+    /// As [`Scenario::run`], on a deployment whose prefill node has hooks of
+    /// its own (`prefill_hooks`), as when the two nodes are separate
+    /// processes each with its own sanitizer: a decode engine and a prefill
+    /// node served on a thread, linked in-process.
+    ///
+    /// # Errors
+    /// The engine could not be built.
+    pub fn run_separate(
+        &self,
+        model: &Arc<Model>,
+        decode_hooks: Hooks,
+        prefill_hooks: Hooks,
+        check: AttentionCheck,
+        victim_seed: u32,
+        inject: bool,
+    ) -> Result<ScenarioRun, EngineError> {
+        let engine = Engine::decode_only(model.clone(), &self.config(decode_hooks, check))?;
+        let prefill_cfg = self.config(prefill_hooks, check);
+        let pair = crate::transport::in_process::pair();
+        let mut link = Some((pair.to_decode, pair.prefill_inbox));
+        let (control, inbox) = crate::engine::PrefillControl::new();
+        let prefill_model = model.clone();
+        let prefill = std::thread::Builder::new()
+            .name("kvsan-scenario-prefill".into())
+            .spawn(move || {
+                crate::engine::serve_prefill(prefill_model, &prefill_cfg, inbox, || {
+                    let (tx, rx) = link.take()?;
+                    Some((Box::new(tx) as Box<dyn crate::transport::Link<_>>, rx))
+                })
+            })
+            .map_err(|e| EngineError::io("scenario", "spawn the prefill node", e))?;
+        engine.attach_prefill(Box::new(pair.to_prefill), pair.decode_inbox);
+        let run = self.drive_injecting(&engine, victim_seed, inject);
+        drop(engine);
+        control.shutdown();
+        prefill.join().map_err(|_| EngineError::Config {
+            what: "the scenario's prefill node panicked".into(),
+        })??;
+        run
+    }
+
+    /// Drives the script on `engine` with the fault switch set for the run.
+    fn drive_injecting(
+        &self,
+        engine: &Engine,
+        victim_seed: u32,
+        inject: bool,
+    ) -> Result<ScenarioRun, EngineError> {
         // The switch only exists in builds with the feature; without it
         // `set(&[])` is accepted and an injection request is refused below.
         let faults: &[Fault] = if inject {
@@ -376,7 +427,7 @@ impl Scenario {
             &[]
         };
         super::set(faults).map_err(|what| EngineError::Config { what })?;
-        let run = (self.drive)(&engine, victim_seed);
+        let run = (self.drive)(engine, victim_seed);
         let _ = super::set(&[]);
         Ok(run)
     }
@@ -445,7 +496,13 @@ fn cancel_behind_filler(engine: &Engine, victim: Request) -> ScenarioRun {
     // the victim's pages and waits for its KV.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while std::time::Instant::now() < deadline {
-        let queued = engine.stats().prefill.map_or(0, |s| s.running + s.waiting);
+        // With the prefill node out of sight (its own process), decode's
+        // count of requests waiting on it says the same: both orders are
+        // sent, and the link keeps them ahead of any cancel.
+        let stats = engine.stats();
+        let queued = stats
+            .prefill
+            .map_or(stats.front.waiting, |s| s.running + s.waiting);
         if queued >= 2 {
             break;
         }
