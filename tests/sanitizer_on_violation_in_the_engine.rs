@@ -11,27 +11,10 @@ use kvsan_engine::faults::Fault;
 use kvsan_engine::faults::scenario::{Scenario, ScenarioRun, scenario_model};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
-use kvsan_sanitizer::{Options, Sanitizer, ViolationKind};
+use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, ViolationKind};
 
 /// The fault switch is process-wide: tests that flip it take turns.
 static FAULTS: Mutex<()> = Mutex::new(());
-
-/// A report sink the test can read.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 fn short_transfer(sanitizer: Arc<Sanitizer>) -> ScenarioRun {
     let _turn = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
@@ -49,13 +32,13 @@ fn short_transfer(sanitizer: Arc<Sanitizer>) -> ScenarioRun {
 
 #[test]
 fn report_policy_reports_the_violation_and_the_request_goes_on() {
-    let sink = Sink::default();
+    let sink = ReportBuffer::default();
     let sanitizer = Arc::new(Sanitizer::with_writer(
         Options::parse("on_violation=report").expect("options"),
         sink.clone(),
     ));
     let run = short_transfer(sanitizer.clone());
-    let report = String::from_utf8(sink.0.lock().expect("sink").clone()).expect("utf-8");
+    let report = sink.text();
     assert!(
         sanitizer.count(ViolationKind::ShortTransfer) >= 1,
         "{report}"

@@ -15,7 +15,7 @@
 
 mod shim_common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvsan_engine::engine::{Engine, EngineConfig, RequestHandle};
 use kvsan_engine::hooks::{HookTarget, Hooks};
@@ -23,7 +23,7 @@ use kvsan_engine::model::{AttentionCheck, SyntheticSpec};
 use kvsan_engine::request::{ErrorKind, Request};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
-use kvsan_sanitizer::{Options, Sanitizer, TenantId};
+use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, TenantId};
 
 /// Requests per topology.
 const REQUESTS: usize = 600;
@@ -31,23 +31,6 @@ const REQUESTS: usize = 600;
 const IN_FLIGHT: usize = 24;
 const CONTEXT: usize = 512;
 const PREFILL_POOL: usize = 384;
-
-/// A report sink the test can read.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// SplitMix64: the load is the same on every run.
 struct Rng(u64);
@@ -116,7 +99,7 @@ fn soak_under(disaggregated: bool, under: &Under) {
         .build()
         .expect("synthetic model"),
     );
-    let sink = Sink::default();
+    let sink = ReportBuffer::default();
     let sanitizer = Arc::new(Sanitizer::with_writer(
         Options::parse("quarantine_pages=8:poison=1").expect("options"),
         sink.clone(),
@@ -196,7 +179,7 @@ fn soak_under(disaggregated: bool, under: &Under) {
         finish(plan, handle);
     }
 
-    let reports = String::from_utf8_lossy(&sink.0.lock().expect("sink")).into_owned();
+    let reports = sink.text();
     assert_eq!(
         sanitizer.violation_count(),
         0,

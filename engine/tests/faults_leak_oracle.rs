@@ -27,37 +27,14 @@ use kvsan_engine::faults::scenario::{
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
 use kvsan_engine::request::{ErrorKind, RequestError};
-use kvsan_sanitizer::{Options, Sanitizer};
+use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer};
 
 /// The fault switch is process-wide: tests that flip it take turns.
 static FAULTS: Mutex<()> = Mutex::new(());
 
-/// A report sink the test can read.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Sink {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()).expect("utf-8")
-    }
-}
-
 /// A sanitizer writing its text reports where the test reads them.
-fn sanitizer_with_sink() -> (Arc<Sanitizer>, Sink) {
-    let sink = Sink::default();
+fn sanitizer_with_sink() -> (Arc<Sanitizer>, ReportBuffer) {
+    let sink = ReportBuffer::default();
     let sanitizer = Arc::new(Sanitizer::with_writer(
         Options::parse("report_format=text").expect("options"),
         sink.clone(),

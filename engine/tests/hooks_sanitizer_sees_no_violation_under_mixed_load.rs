@@ -4,7 +4,7 @@
 //! answered, every page returned, with the debug-build settings on
 //! (checked kernel, poisoned and quarantined freed pages).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvsan_engine::engine::{Engine, EngineConfig};
 use kvsan_engine::hooks::{HookTarget, Hooks};
@@ -12,23 +12,9 @@ use kvsan_engine::model::{AttentionCheck, SyntheticSpec};
 use kvsan_engine::request::Request;
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
-use kvsan_sanitizer::{Options, Sanitizer, TenantId};
+use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, TenantId};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-/// A report sink the test can read.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("sink").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 fn run(disaggregated: bool) {
     let model = Arc::new(
@@ -40,7 +26,7 @@ fn run(disaggregated: bool) {
         .expect("synthetic model"),
     );
     let options = Options::parse("quarantine_pages=8:poison=1").expect("options");
-    let sink = Sink::default();
+    let sink = ReportBuffer::default();
     let sanitizer = Arc::new(Sanitizer::with_writer(options, sink.clone()));
     let hooks = Hooks::sanitizer(sanitizer.clone());
     assert_eq!(hooks.target(), HookTarget::InProcess);
@@ -81,7 +67,7 @@ fn run(disaggregated: bool) {
         })
         .collect();
     let answered = handles.iter().filter(|h| h.wait().is_ok()).count();
-    let reports = String::from_utf8_lossy(&sink.0.lock().expect("sink")).into_owned();
+    let reports = sink.text();
     assert_eq!(
         sanitizer.violation_count(),
         0,

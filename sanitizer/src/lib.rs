@@ -49,7 +49,7 @@ pub use history::{EventKind, HistoryEvent};
 pub use ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId, TenantId};
 pub use lifecycle::{RequestEvent, RequestState, Transition};
 pub use options::{OnViolation, Options, ReportFormat};
-pub use report::{PageReport, Report};
+pub use report::{PageReport, Report, ReportBuffer};
 pub use sanitizer::{MAX_POOLS, PageInfo, Sanitizer};
 pub use shadow::PageState;
 pub use stats::Checks;

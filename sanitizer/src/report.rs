@@ -262,3 +262,29 @@ impl Sink {
 pub fn exit_process(code: i32) -> ! {
     std::process::exit(code)
 }
+
+/// Reports kept in memory, for a caller that shows or checks them itself
+/// (a replay that prints the report next to its verdict, a test): hand a
+/// clone to [`crate::Sanitizer::with_writer`] and read [`ReportBuffer::text`].
+#[derive(Clone, Debug, Default)]
+pub struct ReportBuffer(std::sync::Arc<parking_lot::Mutex<Vec<u8>>>);
+
+impl ReportBuffer {
+    /// Everything written so far (reports are UTF-8; a stray byte shows as
+    /// U+FFFD rather than failing).
+    #[must_use]
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock()).into_owned()
+    }
+}
+
+impl Write for ReportBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

@@ -12,7 +12,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::Context;
 use kvsan_engine::engine::{Engine, EngineConfig};
@@ -22,7 +22,7 @@ use kvsan_engine::model::{AttentionCheck, Model};
 use kvsan_engine::request::{Request, RequestError};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::tokenizer::Tokenizer;
-use kvsan_sanitizer::{Options, Sanitizer, TenantId};
+use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, TenantId};
 use serde_json::json;
 
 use super::model_arg;
@@ -68,23 +68,6 @@ const PROBE_NEW_TOKENS: usize = 24;
 /// Made-up secrets: the unsanitized run is done once with each, so that only
 /// tenant A's data differs between the two.
 const SECRETS: [&str; 2] = ["ZEBRA-7431", "MANGO-2290"];
-
-/// A report sink shared with the sanitizer.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 struct Scenario {
     model: Arc<Model>,
@@ -289,7 +272,7 @@ fn incident(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
     }
 
     // 2. Sanitized.
-    let sink = Sink::default();
+    let sink = ReportBuffer::default();
     let sanitizer = Arc::new(Sanitizer::with_writer(
         Options::parse("report_format=text")?,
         sink.clone(),
@@ -300,8 +283,7 @@ fn incident(model: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
         .iter()
         .map(|v| v.kind.name().to_string())
         .collect();
-    let report =
-        String::from_utf8_lossy(&sink.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned();
+    let report = sink.text();
     let aborted = sanitized
         .error
         .as_ref()

@@ -2,44 +2,22 @@
 //! SmolLM2-135M's geometry, reports captured in memory.
 #![allow(dead_code)]
 
-use std::io::Write;
 use std::ops::Range;
-use std::sync::Arc;
 
 use kvsan_sanitizer::{
-    Manifest, NodeRole, Options, Owner, PageId, PageRef, PoolGeometry, PoolId, Sanitizer,
+    Manifest, NodeRole, Options, Owner, PageId, PageRef, PoolGeometry, PoolId, ReportBuffer,
+    Sanitizer,
 };
-use parking_lot::Mutex;
 
 pub const LAYERS: u32 = 30;
 pub const SLOTS: u32 = 16;
 pub const ALL: Range<u32> = 0..LAYERS;
 
-/// A writer whose bytes the test can read back.
-#[derive(Clone, Default)]
-pub struct Captured(pub Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    pub fn text(&self) -> String {
-        String::from_utf8(self.0.lock().clone()).expect("reports are UTF-8")
-    }
-}
-
 pub struct Fixture {
     pub san: Sanitizer,
     pub decode: PoolId,
     pub prefill: PoolId,
-    pub out: Captured,
+    pub out: ReportBuffer,
 }
 
 pub fn geometry(role: NodeRole, node: &str, pages: u32) -> PoolGeometry {
@@ -54,7 +32,7 @@ pub fn geometry(role: NodeRole, node: &str, pages: u32) -> PoolGeometry {
 }
 
 pub fn fixture_with(options: &str) -> Fixture {
-    let out = Captured::default();
+    let out = ReportBuffer::default();
     let san = Sanitizer::with_writer(Options::parse(options).expect("test options"), out.clone());
     let decode = san
         .pool_register(geometry(NodeRole::Decode, "decode-0", 8))
