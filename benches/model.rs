@@ -2,8 +2,9 @@
 //! processing of 512 tokens, decode at batch 1 and at batch 16.
 //!
 //! `cargo bench --bench model` prints tokens/s per run and the median of
-//! `KVSAN_BENCH_RUNS` runs (default 5). Compare with llama.cpp's figures for
-//! the same file on the same machine, measured in the same session.
+//! `KVSAN_BENCH_RUNS` runs (default 5). `scripts/llamacpp-speed.py` measures
+//! llama.cpp the same way (same file, token ids and shapes); run the two
+//! alternately in one session and compare round by round.
 
 use std::time::Instant;
 
