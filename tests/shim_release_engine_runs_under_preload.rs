@@ -35,27 +35,26 @@ fn engine() -> (PathBuf, PathBuf) {
             let bin = shim_common::kvsan_bin();
             let target = bin.parent().and_then(|p| p.parent()).expect("target dir");
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let out = Command::new(cargo)
-                .args([
-                    "build",
-                    "--release",
-                    "--bin",
-                    "kvsan",
-                    "-p",
-                    "kvsan",
-                    "-p",
-                    "kvsan-shim",
-                    "--manifest-path",
-                ])
-                .arg(shim_common::repo().join("Cargo.toml"))
-                .env("CARGO_TARGET_DIR", target)
-                .output()
-                .expect("run cargo build --release");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            // Two builds: `--bin` would leave the shim's cdylib out of a
+            // combined one.
+            for what in [
+                &["-p", "kvsan", "--bin", "kvsan"][..],
+                &["-p", "kvsan-shim"],
+            ] {
+                let out = Command::new(&cargo)
+                    .args(["build", "--release"])
+                    .args(what)
+                    .arg("--manifest-path")
+                    .arg(shim_common::repo().join("Cargo.toml"))
+                    .env("CARGO_TARGET_DIR", target)
+                    .output()
+                    .expect("run cargo build --release");
+                assert!(
+                    out.status.success(),
+                    "{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
             (
                 target.join("release/kvsan"),
                 target.join("release/libkvsan_shim.so"),
