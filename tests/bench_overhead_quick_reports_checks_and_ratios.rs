@@ -12,43 +12,12 @@
 //! The full command (three release builds, SmolLM2 workloads, 5 rounds) is
 //! the ignored test below.
 
-use std::path::{Path, PathBuf};
+mod shim_common;
+
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
-
-fn workspace() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Builds the shim into the target directory of this test's binaries (same
-/// profile) and returns the library's path.
-fn build_shim() -> PathBuf {
-    let exe = Path::new(env!("CARGO_BIN_EXE_kvsan"));
-    let profile_dir = exe.parent().expect("profile dir");
-    let target = profile_dir.parent().expect("target dir");
-    let profile = profile_dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .expect("profile name");
-    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.args(["build", "-p", "kvsan-shim", "--target-dir"])
-        .arg(target)
-        .arg("--manifest-path")
-        .arg(workspace().join("Cargo.toml"));
-    match profile {
-        "debug" => {}
-        "release" => {
-            cmd.arg("--release");
-        }
-        other => {
-            cmd.args(["--profile", other]);
-        }
-    }
-    let status = cmd.status().expect("cargo runs");
-    assert!(status.success(), "building the shim failed: {status}");
-    profile_dir.join("libkvsan_shim.so")
-}
 
 fn run_quick(extra: &[&str], out: &Path) -> Value {
     let output = Command::new(env!("CARGO_BIN_EXE_kvsan"))
@@ -82,7 +51,7 @@ fn variant<'a>(doc: &'a Value, name: &str) -> &'a Value {
 
 #[test]
 fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
-    let shim = build_shim();
+    let shim = shim_common::shim_library();
     let out = std::env::temp_dir().join(format!("kvsan-bench-quick-{}", std::process::id()));
     let shim_arg = shim.display().to_string();
     let doc = run_quick(&["--shim", &shim_arg], &out);
@@ -158,7 +127,7 @@ fn a_shim_variant_without_a_shim_library_is_refused_by_name() {
 fn full_overhead_run_builds_three_variants_and_reports_every_workload() {
     let output = Command::new(env!("CARGO_BIN_EXE_kvsan"))
         .args(["bench", "overhead", "--json", "--source"])
-        .arg(workspace())
+        .arg(shim_common::repo())
         .output()
         .expect("kvsan runs");
     let stderr = String::from_utf8_lossy(&output.stderr);

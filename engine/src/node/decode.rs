@@ -13,7 +13,7 @@ use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
 use crate::node::core::{NodeCore, violation_error};
 use crate::node::sequence::Sequence;
-use crate::node::unified::{self, fail, new_sequence};
+use crate::node::unified::{self, fail, fail_in_place, new_sequence};
 use crate::request::{ErrorKind, Event, Request, RequestError};
 use crate::scheduler::Scheduler;
 use crate::transport::{
@@ -623,10 +623,7 @@ impl DecodeNode {
     /// (`commit`).
     fn cancel_lazily(&mut self, mut seq: Sequence, error: RequestError) {
         let table = seq.table.clone();
-        self.core.release(&mut seq);
-        let _ = self.core.event(seq.owner, RequestEvent::Aborted);
-        tracing::info!(node = %self.core.name, request = seq.owner.request.0, "request cancelled; its record waits for its transfer's end");
-        seq.fail(error);
+        fail_in_place(&mut self.core, &mut seq, error);
         seq.table = table;
         self.left_for_cleanup.insert(seq.owner.request, seq);
     }

@@ -38,7 +38,12 @@ pub(crate) fn new_sequence(
 
 /// Ends `seq` with `error`: frees its pages, reports the terminal event.
 pub(crate) fn fail(core: &mut NodeCore, mut seq: Sequence, error: RequestError) {
-    core.release(&mut seq);
+    fail_in_place(core, &mut seq, error);
+}
+
+/// [`fail`], leaving the emptied sequence with the caller.
+pub(crate) fn fail_in_place(core: &mut NodeCore, seq: &mut Sequence, error: RequestError) {
+    core.release(seq);
     // A request the sanitizer already holds terminal (it was caught acting
     // after its rejection or abort) gets no further lifecycle event: that
     // would only report the same breach again.
