@@ -54,7 +54,7 @@ fn prompt_run(model: &Model, n: usize, seed: u64) -> f64 {
     }];
     let t = Instant::now();
     model
-        .forward(&mut pool, &step, AttentionCheck::Unchecked)
+        .forward_chunks(&mut pool, &step, AttentionCheck::Unchecked)
         .expect("forward");
     n as f64 / t.elapsed().as_secs_f64()
 }
@@ -79,7 +79,7 @@ fn decode_run(model: &Model, batch: usize, steps: usize, seed: u64) -> f64 {
         })
         .collect();
     let mut logits = model
-        .forward(&mut pool, &step, AttentionCheck::Unchecked)
+        .forward_chunks(&mut pool, &step, AttentionCheck::Unchecked)
         .expect("prefill");
     let vocab = model.config().vocab_size;
     let t = Instant::now();
@@ -94,7 +94,7 @@ fn decode_run(model: &Model, batch: usize, steps: usize, seed: u64) -> f64 {
             })
             .collect();
         logits = model
-            .forward(&mut pool, &step, AttentionCheck::Unchecked)
+            .forward_chunks(&mut pool, &step, AttentionCheck::Unchecked)
             .expect("decode");
     }
     (batch * steps) as f64 / t.elapsed().as_secs_f64()

@@ -105,7 +105,7 @@ fn teacher_forced_logits(model: &Model, g: &Golden) -> Vec<Vec<f32>> {
         logits: Logits::All,
     }];
     let logits = model
-        .forward(&mut pool, &step, AttentionCheck::Generations)
+        .forward_chunks(&mut pool, &step, AttentionCheck::Generations)
         .expect("forward");
     let vocab = model.config().vocab_size;
     (0..g.ids.len())

@@ -13,7 +13,7 @@ mod shim_common;
 use std::process::Command;
 
 use kvsan_engine::faults::Fault;
-use kvsan_engine::faults::scenario::{Culprit, Scenario};
+use kvsan_engine::faults::scenario::{Culprit, Scenario, VictimEnd};
 use serde_json::Value;
 
 fn replay(fault: Fault, seed: u32, preload: bool) -> (Value, String) {
@@ -44,10 +44,16 @@ fn every_fault_under_the_preload_aborts_the_expected_request_with_the_expected_k
         // The request aborted, and the one that must not be; a culprit that
         // had already ended leaves both live requests alone.
         let (culprit, others): (Option<&str>, &[&str]) = match scenario.culprit {
+            // The victim's own row misuses pages too: it is aborted as well.
+            Culprit::Probe if scenario.victim_end == VictimEnd::Aborted => (Some("probe"), &[]),
             Culprit::Probe => (Some("probe"), &["victim"]),
             Culprit::Victim => (Some("victim"), &["probe"]),
             Culprit::Ended => (None, &["victim", "probe"]),
         };
+        if scenario.victim_end == VictimEnd::Aborted {
+            assert_eq!(run["victim"]["outcome"], "error", "{name}: {run}");
+            assert!(!run["victim"]["violation_kind"].is_null(), "{name}: {run}");
+        }
         if let Some(culprit) = culprit {
             assert_eq!(run[culprit]["outcome"], "error", "{name}: {run}");
             assert_eq!(run[culprit]["violation_kind"], kind, "{name}: {run}");

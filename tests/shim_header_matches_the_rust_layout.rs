@@ -8,11 +8,11 @@ use std::fmt::Write as _;
 use std::mem::{align_of, offset_of, size_of};
 use std::process::Command;
 
-use kvsan_sanitizer::NodeRole;
 use kvsan_sanitizer::abi::{
     self, HOOK_TABLE_VERSION_MAJOR, HOOK_TABLE_VERSION_MINOR, KVSAN_FLAG_POISON,
     KVSAN_VERDICT_ABORT, KVSAN_VERDICT_CONTINUE, KVSAN_VERDICT_ERROR, REQUEST_EVENTS, STATUSES,
 };
+use kvsan_sanitizer::{AccessOp, NodeRole};
 
 /// `(label, Rust value, C expression)` for every size, alignment and offset.
 macro_rules! layout {
@@ -52,7 +52,11 @@ fn rows() -> Vec<(String, i64, String)> {
         KvsanVerdict { code, kind, violation_id }
         KvsanHookTable { size, version_major, version_minor, flags, quarantine_pages, ctx,
                          pool_register, request_event, alloc, free, write, read,
-                         transfer_send, transfer_recv, transfer_commit }
+                         transfer_send, transfer_recv, transfer_commit,
+                         kernel_shadow, kernel_refusal }
+        KvsanKernelShadow { size, layout_version, pages, page_slots, layers, record_size,
+                            stride_words, reserved, records, bits, counters }
+        KvsanKernelAccess { op, layer, page, slots, entry, reserved }
     };
     let mut constant =
         |name: &str, value: i64| rows.push((name.to_string(), value, name.to_string()));
@@ -66,6 +70,13 @@ fn rows() -> Vec<(String, i64, String)> {
     constant("KVSAN_VERDICT_ABORT", KVSAN_VERDICT_ABORT.into());
     constant("KVSAN_VERDICT_ERROR", KVSAN_VERDICT_ERROR.into());
     constant("KVSAN_FLAG_POISON", KVSAN_FLAG_POISON.into());
+    for (name, op) in [
+        ("KVSAN_ACCESS_READ", AccessOp::Read),
+        ("KVSAN_ACCESS_STORE", AccessOp::Store),
+        ("KVSAN_ACCESS_POISON", AccessOp::Poison),
+    ] {
+        constant(name, i64::from(op as u32));
+    }
     for (name, role) in [
         ("KVSAN_ROLE_UNIFIED", NodeRole::Unified),
         ("KVSAN_ROLE_PREFILL", NodeRole::Prefill),
@@ -121,7 +132,10 @@ fn every_size_offset_and_constant_of_kvsan_h_equals_the_rust_abi() {
     );
     // The documented LP64 sizes.
     for (label, want) in [
-        ("sizeof KvsanHookTable", 96),
+        ("sizeof KvsanHookTable", 112),
+        ("offsetof KvsanHookTable.kernel_shadow", 96),
+        ("sizeof KvsanKernelShadow", 56),
+        ("sizeof KvsanKernelAccess", 32),
         ("sizeof KvsanManifest", 80),
         ("sizeof KvsanPoolGeometry", 40),
         ("sizeof KvsanOwner", 16),

@@ -210,9 +210,17 @@ impl KvPool {
         &self.data
     }
 
-    /// The page storage, for writes.
+    /// The page storage, for writes that are not kernel stores: a transport
+    /// registering the pool with a NIC, tests. The forward pass writes only
+    /// through [`crate::kv_access::KvAccess`].
     pub fn data_mut(&mut self) -> &mut [f16] {
         &mut self.data
+    }
+
+    /// The page storage for writes, with the generation array beside it
+    /// (the store kernel checks tags as it writes).
+    pub fn data_and_generations_mut(&mut self) -> (&mut [f16], &[Generation]) {
+        (&mut self.data, &self.generations)
     }
 
     /// Appends the K and V of `slots` × `layers` of `page` to `out` as

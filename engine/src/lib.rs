@@ -9,6 +9,7 @@ pub mod faults;
 pub mod fetch;
 pub mod gguf;
 pub mod hooks;
+pub mod kv_access;
 pub mod kv_pool;
 pub mod model;
 pub mod node;

@@ -110,6 +110,10 @@ fn assert_bystander_and_victim(fault: Fault, culprit: Culprit, run: &ScenarioRun
             let e = run.victim.as_ref().expect_err("the victim is cancelled");
             assert_eq!(e.kind, ErrorKind::Cancelled, "{}", e.message);
         }
+        VictimEnd::Aborted => {
+            let e = run.victim.as_ref().expect_err("the victim is aborted too");
+            assert_eq!(e.kind, ErrorKind::Violation, "{}", e.message);
+        }
     }
 }
 
@@ -250,6 +254,10 @@ fault_tests! {
     overlapping_transfer => Fault::OverlappingTransfer,
     padding_slot_wrap => Fault::PaddingSlotWrap,
     commit_after_abort => Fault::CommitAfterAbort,
+    decode_length_overrun => Fault::DecodeLengthOverrun,
+    block_table_row_order => Fault::BlockTableRowOrder,
+    slot_mapping_chunk_offset => Fault::SlotMappingChunkOffset,
+    stale_batch_array => Fault::StaleBatchArray,
 }
 
 macro_rules! kernel_check_tests {

@@ -6,14 +6,15 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use kvsan_engine::hooks::ctable::{
-    CTableHooks, HOOK_TABLE_VERSION_MAJOR, KVSAN_FLAG_POISON, KVSAN_VERDICT_ABORT,
-    KVSAN_VERDICT_CONTINUE, KvsanHookTable, KvsanManifest, KvsanOwner, KvsanPageRef,
-    KvsanPoolGeometry, KvsanRange, KvsanVerdict, event_from_code, slice_or_empty,
+    CTableHooks, HOOK_TABLE_V1_0_SIZE, HOOK_TABLE_VERSION_MAJOR, KVSAN_FLAG_POISON,
+    KVSAN_VERDICT_ABORT, KVSAN_VERDICT_CONTINUE, KvsanHookTable, KvsanKernelAccess,
+    KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange,
+    KvsanVerdict, event_from_code, slice_or_empty,
 };
 use kvsan_engine::hooks::{HookTarget, Hooks, Verdict};
 use kvsan_sanitizer::{
-    Generation, NodeRole, Options, Owner, PageId, PageRef, PoolGeometry, PoolId, RequestEvent,
-    RequestId, Sanitizer, TenantId, ViolationKind,
+    AccessOp, Check, Generation, KernelAccess, NodeRole, Options, Owner, PageId, PageRef,
+    PoolGeometry, PoolId, RequestEvent, RequestId, Sanitizer, TenantId, ViolationKind,
 };
 
 /// # Safety
@@ -163,12 +164,43 @@ unsafe extern "C" fn commit(
     out(unsafe { san(ctx) }.transfer_commit(PoolId(pool), owner.into(), &table, committed as usize))
 }
 
-/// A version-1 table forwarding to `sanitizer`.
+unsafe extern "C" fn kernel_shadow(
+    ctx: *mut c_void,
+    pool: u32,
+    out: *mut KvsanKernelShadow,
+) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    match unsafe { san(ctx) }.kernel_shadow(PoolId(pool)) {
+        Ok(view) => {
+            // SAFETY: the engine hands a writable description.
+            unsafe { out.write(view.to_raw()) };
+            KvsanVerdict::CONTINUE
+        }
+        Err(_) => KvsanVerdict::ERROR,
+    }
+}
+
+unsafe extern "C" fn kernel_refusal(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    access: *const KvsanKernelAccess,
+    step: u64,
+) -> KvsanVerdict {
+    // SAFETY: the engine passes the access, alive for the call.
+    let Some(access) = (unsafe { *access }).to_access() else {
+        return KvsanVerdict::ERROR;
+    };
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.kernel_refusal(PoolId(pool), owner.into(), &access, step))
+}
+
+/// A version-1.1 table forwarding to `sanitizer`.
 fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
     KvsanHookTable {
         size: size_of::<KvsanHookTable>() as u32,
         version_major: HOOK_TABLE_VERSION_MAJOR,
-        version_minor: 0,
+        version_minor: 1,
         flags: KVSAN_FLAG_POISON,
         quarantine_pages: 3,
         ctx: Arc::as_ptr(sanitizer).cast_mut().cast(),
@@ -181,6 +213,8 @@ fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
         transfer_send: Some(transfer),
         transfer_recv: Some(transfer),
         transfer_commit: Some(commit),
+        kernel_shadow: Some(kernel_shadow),
+        kernel_refusal: Some(kernel_refusal),
     }
 }
 
@@ -208,7 +242,42 @@ fn a_table_smaller_than_the_engine_knows_is_not_attached() {
     t.size = 24;
     let e = rejection(&t);
     assert!(e.contains("size is 24 bytes"), "{e}");
-    assert!(e.contains(&size_of::<KvsanHookTable>().to_string()), "{e}");
+    assert!(e.contains(&HOOK_TABLE_V1_0_SIZE.to_string()), "{e}");
+}
+
+#[test]
+fn a_version_1_0_table_is_attached_without_a_kernel_shadow() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.size = HOOK_TABLE_V1_0_SIZE as u32;
+    t.version_minor = 0;
+    // Past its size the engine reads nothing: these must not be used.
+    t.kernel_shadow = None;
+    t.kernel_refusal = None;
+    // SAFETY: a whole table on the stack (larger than its declared size).
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(&t) }.expect("attached"));
+    let pool = hooks.pool_register(&geometry(), PoolId(99));
+    assert!(hooks.kernel_shadow(pool).is_none());
+}
+
+#[test]
+fn a_version_1_1_table_with_a_null_kernel_hook_is_not_attached() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.kernel_refusal = None;
+    let e = rejection(&t);
+    assert!(e.contains("`kernel_refusal`"), "{e}");
+}
+
+fn geometry() -> PoolGeometry {
+    PoolGeometry {
+        pages: 4,
+        page_slots: 4,
+        layers: 2,
+        bytes_per_slot: 64,
+        role: NodeRole::Unified,
+        node: "unified".into(),
+    }
 }
 
 #[test]
@@ -256,7 +325,7 @@ fn an_absent_table_symbol_attaches_nothing() {
 }
 
 #[test]
-fn through_the_c_table_a_read_of_an_unwritten_slot_aborts_with_stale_read() {
+fn through_the_c_table_a_kernel_read_of_an_unwritten_slot_aborts_with_stale_read() {
     let s = sanitizer();
     let t = Box::leak(Box::new(forwarding_table(&s)));
     // SAFETY: a whole table, leaked for the process; ctx is `s`, kept alive below.
@@ -264,15 +333,7 @@ fn through_the_c_table_a_read_of_an_unwritten_slot_aborts_with_stale_read() {
     assert_eq!(hooks.target(), HookTarget::CTable);
     assert!(hooks.poison());
     assert_eq!(hooks.quarantine_pages(), 3);
-    let geometry = PoolGeometry {
-        pages: 4,
-        page_slots: 4,
-        layers: 2,
-        bytes_per_slot: 64,
-        role: NodeRole::Unified,
-        node: "unified".into(),
-    };
-    let pool = hooks.pool_register(&geometry, PoolId(99));
+    let pool = hooks.pool_register(&geometry(), PoolId(99));
     assert_eq!(pool, PoolId(0), "the sanitizer's id, not the fallback");
     let owner = Owner {
         request: RequestId(1),
@@ -288,9 +349,27 @@ fn through_the_c_table_a_read_of_an_unwritten_slot_aborts_with_stale_read() {
         generation: Generation(1),
     };
     assert!(hooks.alloc(pool, owner, page, 1).is_continue());
-    assert!(hooks.write(pool, owner, page, 0..2, 0..2, 1).is_continue());
-    assert!(hooks.read(pool, owner, &[page], 2, 0..2, 1).is_continue());
-    let v = hooks.read(pool, owner, &[page], 3, 0..2, 2);
+    // The library's shadow memory, checked in place as the kernels do.
+    let handle = hooks
+        .kernel_shadow(pool)
+        .expect("a 1.1 table has a kernel shadow");
+    let shadow = handle.view();
+    for slot in 0..2 {
+        assert_eq!(shadow.store(owner.request, page, 1, slot, 1), Check::Ok);
+    }
+    assert_eq!(shadow.check_read(owner.request, page, 1, 2), Check::Ok);
+    assert_eq!(
+        shadow.check_read(owner.request, page, 1, 3),
+        Check::Refused(ViolationKind::StaleRead)
+    );
+    let access = KernelAccess {
+        op: AccessOp::Read,
+        page,
+        entry: 0,
+        layer: 1,
+        slots: 0..3,
+    };
+    let v = hooks.kernel_refusal(pool, owner, &access, 2);
     assert_eq!(v.kind(), Some(ViolationKind::StaleRead));
     let Verdict::Abort { violation, .. } = v else {
         panic!("abort expected")

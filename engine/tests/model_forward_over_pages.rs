@@ -34,7 +34,7 @@ fn last_logits(
             logits: Logits::Last,
         }];
         out = model
-            .forward(pool, &step, AttentionCheck::Generations)
+            .forward_chunks(pool, &step, AttentionCheck::Generations)
             .expect("forward");
         pos += part.len();
     }
@@ -118,7 +118,7 @@ fn batched_sequences_get_the_logits_they_get_alone() {
         },
     ];
     let both = model
-        .forward(&mut pool, &step, AttentionCheck::Unchecked)
+        .forward_chunks(&mut pool, &step, AttentionCheck::Unchecked)
         .expect("forward");
     let vocab = model.config().vocab_size;
     assert_same(&both[..vocab], &alone1, "sequence 1 in a batch");
@@ -144,7 +144,7 @@ fn checked_attention_refuses_a_page_freed_and_reallocated_since() {
         logits: Logits::Last,
     }];
     let err = model
-        .forward(&mut pool, &step, AttentionCheck::Generations)
+        .forward_chunks(&mut pool, &step, AttentionCheck::Generations)
         .expect_err("stale page must be refused");
     match err {
         EngineError::Attention(KernelError::GenerationMismatch {
@@ -165,7 +165,7 @@ fn checked_attention_refuses_a_page_freed_and_reallocated_since() {
         ..step[0]
     }];
     model
-        .forward(&mut pool, &step, AttentionCheck::Generations)
+        .forward_chunks(&mut pool, &step, AttentionCheck::Generations)
         .expect("current refs pass");
 }
 
@@ -196,7 +196,7 @@ fn a_batch_the_model_cannot_run_is_an_error_naming_the_chunk() {
             },
         ];
         let err = model
-            .forward(&mut pool, &step, AttentionCheck::Unchecked)
+            .forward_chunks(&mut pool, &step, AttentionCheck::Unchecked)
             .expect_err(needle);
         let msg = err.to_string();
         assert!(msg.contains("chunk 1") && msg.contains(needle), "{msg}");

@@ -1,5 +1,8 @@
-//! Paged attention over an f16 KV page pool, read only through block tables
-//! of [`PageRef`]s.
+//! Paged attention and the KV store over an f16 KV page pool, for a whole
+//! batch, through exactly the arrays an attention backend takes: the
+//! batch's block-table array (rows × width `PageRef`s), per-row sequence
+//! lengths, the rows' query spans (CSR) and the per-token store slot
+//! mapping. Every page a kernel touches is asked of a [`KvGuard`] first.
 //!
 //! ```text
 //!  pool = n_pages × page_elems f16            page_elems = n_layers·2·page_slots·n_kv_heads·head_dim
@@ -10,7 +13,16 @@
 //!  │ V: slot 0 …  slot page_slots-1       │                 │
 //!  └──────────────────────────────────────┴──────────────── ┘
 //!
-//!  token position t of a sequence lives in page block_table[t / page_slots], slot t % page_slots
+//!  KvBatch (what the kernels receive)
+//!   block_tables  [row 0: e0 e1 e2 … e(width-1)][row 1: …]…   PageRef per entry, row-major
+//!   seq_lens      [row 0][row 1]…                              tokens row r attends over
+//!   query_start   [0, n0, n0+n1, …]                            row r's new tokens (CSR)
+//!   store_slots   [token 0][token 1]…                          (PageRef, slot) or PADDING
+//!
+//!  row r, its i-th new token (of n):  position seq_lens[r] - n + i,
+//!    attends causally to positions 0 ..= that position;
+//!  position t of row r lives in block_tables[r·width + t / page_slots], slot t % page_slots
+//!    (the flat index: an entry past the row's width is the next row's, as on a device)
 //! ```
 //!
 //! Query head `h` reads KV head `h / (n_heads / n_kv_heads)` (grouped-query
@@ -18,16 +30,18 @@
 //! llama.cpp does for an f16 cache), softmax in f32 with an f64 sum, and the
 //! weighted sum of V accumulated in f32.
 //!
-//! The checked variants compare every `PageRef`'s generation with the pool's
-//! generation array before reading anything and refuse on a mismatch; the
-//! unchecked ones still verify block-table length and page range (cheap: one
-//! pass over the pages to be read) and panic rather than read out of bounds.
+//! Each attention task (a row's chunk of queries, one KV head) asks the
+//! guard about every page it is about to read, with the slots it reads of
+//! it, before reading any; the store asks before each token's K and V go
+//! in. A page outside the pool is never touched. A refused row stops: its
+//! output is zero and its later stores are skipped.
 
 use half::f16;
 use kvsan_sanitizer::{Generation, PageId, PageRef};
 
 use crate::Exec;
 use crate::error::KernelError;
+use crate::guard::{Access, KvGuard};
 use crate::isa::Isa;
 use crate::threads::SharedMut;
 
@@ -71,102 +85,112 @@ impl KvGeometry {
     }
 }
 
-/// Stores one token's K and V (`n_kv_heads × head_dim` f32 each, converted to
-/// f16) into `slot` of `page` for `layer`.
-///
-/// # Panics
-/// If the page is outside the pool, `slot`/`layer` outside the geometry, or
-/// `k`/`v` not `slot_width()` long.
-pub fn kv_write(
-    pool: &mut [f16],
-    geom: &KvGeometry,
-    page: PageId,
-    slot: usize,
-    layer: usize,
-    k: &[f32],
-    v: &[f32],
-) {
-    let w = geom.slot_width();
-    assert!(
-        slot < geom.page_slots,
-        "slot {slot} of a page of {} slots",
-        geom.page_slots
-    );
-    assert!(layer < geom.n_layers, "layer {layer} of {}", geom.n_layers);
-    assert!(
-        k.len() == w && v.len() == w,
-        "K/V of {}/{} values, slot width {w}",
-        k.len(),
-        v.len()
-    );
-    let n_pages = geom.n_pages(pool.len());
-    assert!(
-        (page.0 as usize) < n_pages,
-        "page {} of a pool of {n_pages} pages",
-        page.0
-    );
-    for (kv, src) in [k, v].into_iter().enumerate() {
-        let o = geom.offset(page, layer, kv, slot);
-        for (d, &s) in pool[o..o + w].iter_mut().zip(src) {
-            *d = f16::from_f32(s);
-        }
+/// Where one token's K and V are stored: a page (with the generation it
+/// was handed out at) and a slot — or nowhere ([`StoreSlot::PADDING`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StoreSlot {
+    /// The page.
+    pub page: PageRef,
+    /// The slot.
+    pub slot: u32,
+}
+
+impl StoreSlot {
+    /// A padding token's slot (`-1` in a flat slot mapping): nothing is stored.
+    pub const PADDING: StoreSlot = StoreSlot {
+        page: PageRef {
+            page: PageId(u32::MAX),
+            generation: Generation(u32::MAX),
+        },
+        slot: u32::MAX,
+    };
+
+    /// Whether this is [`StoreSlot::PADDING`].
+    #[inline]
+    #[must_use]
+    pub fn is_padding(&self) -> bool {
+        *self == StoreSlot::PADDING
     }
 }
 
-/// One sequence of a batched decode step.
+/// The KV arrays of one batch, as the kernels take them (layout in the
+/// module doc).
 #[derive(Clone, Copy, Debug)]
-pub struct DecodeSeq<'a> {
-    /// The new token's query: `n_heads × head_dim`.
-    pub q: &'a [f32],
-    /// The sequence's pages, in token order.
-    pub block_table: &'a [PageRef],
-    /// Tokens to attend over (including the new one, already written).
-    pub seq_len: usize,
+pub struct KvBatch<'a> {
+    /// `rows × width` block-table entries, row-major.
+    pub block_tables: &'a [PageRef],
+    /// Entries per row of `block_tables`.
+    pub width: usize,
+    /// Per row: the tokens attention reads (context and the row's new tokens).
+    pub seq_lens: &'a [u32],
+    /// `rows + 1` offsets: row `r`'s new tokens are
+    /// `query_start[r]..query_start[r + 1]` of the step's tokens.
+    pub query_start: &'a [u32],
+    /// Per token: where its K and V are stored.
+    pub store_slots: &'a [StoreSlot],
 }
 
-/// Checks that `block_table` covers `seq_len` tokens with pages inside the
-/// pool and, with `generations`, at the pages' current generations.
-fn check_table(
-    geom: &KvGeometry,
-    n_pages: usize,
-    seq: usize,
-    block_table: &[PageRef],
-    seq_len: usize,
-    generations: Option<&[Generation]>,
-) -> Result<(), KernelError> {
-    let pages_needed = seq_len.div_ceil(geom.page_slots);
-    if block_table.len() < pages_needed {
-        return Err(KernelError::BlockTableTooShort {
-            seq,
-            seq_len,
-            pages_needed,
-            block_table_len: block_table.len(),
-        });
+impl KvBatch<'_> {
+    /// Rows of the batch.
+    #[must_use]
+    pub fn rows(&self) -> usize {
+        self.seq_lens.len()
     }
-    let limit = generations.map_or(n_pages, |g| g.len().min(n_pages));
-    for (index, r) in block_table[..pages_needed].iter().enumerate() {
-        let p = r.page.0 as usize;
-        if p >= limit {
-            return Err(KernelError::PageOutOfRange {
-                seq,
-                index,
-                page: r.page,
-                n_pages: limit,
-            });
-        }
-        if let Some(g) = generations
-            && g[p] != r.generation
-        {
-            return Err(KernelError::GenerationMismatch {
-                seq,
-                index,
-                page: r.page,
-                found: r.generation,
-                current: g[p],
-            });
-        }
+
+    /// Tokens of the step.
+    #[must_use]
+    pub fn tokens(&self) -> usize {
+        self.store_slots.len()
     }
-    Ok(())
+
+    /// Row `r`'s new tokens.
+    #[inline]
+    #[must_use]
+    pub fn queries(&self, r: usize) -> std::ops::Range<usize> {
+        self.query_start[r] as usize..self.query_start[r + 1] as usize
+    }
+
+    /// Checks the arrays' shapes against each other (not their contents:
+    /// those are what the guard checks as they are used).
+    ///
+    /// # Errors
+    /// [`KernelError::BatchShape`] naming the array and what it should be.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        let bad = |what: String| Err(KernelError::BatchShape { what });
+        let rows = self.rows();
+        if self.query_start.len() != rows + 1 {
+            return bad(format!(
+                "query_start has {} offsets for {rows} rows (rows + 1 needed)",
+                self.query_start.len()
+            ));
+        }
+        if self.query_start.windows(2).any(|w| w[0] > w[1]) || self.query_start[0] != 0 {
+            return bad("query_start does not rise from 0".into());
+        }
+        if self.query_start[rows] as usize != self.store_slots.len() {
+            return bad(format!(
+                "query_start ends at {} but there are {} store slots",
+                self.query_start[rows],
+                self.store_slots.len()
+            ));
+        }
+        if self.block_tables.len() != rows * self.width {
+            return bad(format!(
+                "block_tables has {} entries, {rows} rows × width {} needed",
+                self.block_tables.len(),
+                self.width
+            ));
+        }
+        if let Some(r) = (0..rows).find(|&r| self.queries(r).len() > self.seq_lens[r] as usize) {
+            return bad(format!(
+                "row {r} has {} new tokens but a sequence length of {}",
+                self.queries(r).len(),
+                self.seq_lens[r]
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[inline]
@@ -198,8 +222,9 @@ fn axpy(isa: Isa, out: &mut [f32], a: f32, v: &[f16]) {
     }
 }
 
-/// Attention of `group` query heads (`q`, `group × head_dim`) sharing KV head
-/// `kvh` over tokens `0..len` through `table` (already checked), into `out`.
+/// Attention of `group` query heads (`q`, `group × head_dim`) sharing KV
+/// head `kvh` over positions `0..len` of the pages in `pages` (already
+/// asked of the guard), into `out`.
 #[allow(clippy::too_many_arguments)]
 fn attend_group(
     isa: Isa,
@@ -207,7 +232,7 @@ fn attend_group(
     geom: &KvGeometry,
     layer: usize,
     kvh: usize,
-    table: &[PageRef],
+    pages: &[PageId],
     len: usize,
     scale: f32,
     q: &[f32],
@@ -219,8 +244,8 @@ fn attend_group(
     let mut scores = vec![0.0f32; group * len];
     let slots = |kv: usize| {
         (0..len).map(move |t| {
-            let page = table[t / geom.page_slots].page;
-            let o = geom.offset(page, layer, kv, t % geom.page_slots) + kvh * hd;
+            let o =
+                geom.offset(pages[t / geom.page_slots], layer, kv, t % geom.page_slots) + kvh * hd;
             (t, &pool[o..o + hd])
         })
     };
@@ -250,292 +275,193 @@ fn assert_heads(geom: &KvGeometry, layer: usize, n_heads: usize) -> usize {
     n_heads / geom.n_kv_heads
 }
 
-/// Batched decode: each sequence's single query attends over its first
-/// `seq_len` tokens through its block table. `out` is `n_seqs × n_heads × head_dim`.
-/// Runs on the global pool.
+/// Stores each token's K and V of `layer` (`n_kv_heads × head_dim` f32
+/// each per token, converted to f16) where the batch's store slot mapping
+/// says, asking `guard` first; padding tokens and tokens of stopped rows are
+/// skipped.
 ///
 /// # Panics
-/// If a block table is too short for its `seq_len` or names a page outside
-/// the pool (nothing is read then), or on shape mismatches.
-pub fn paged_attention_decode(
-    pool: &[f16],
+/// On shape mismatches (`k`/`v` not one slot row per token, a bad
+/// `query_start`, `layer` outside the geometry).
+pub fn store_kv(
+    pool: &mut [f16],
     geom: &KvGeometry,
     layer: usize,
-    n_heads: usize,
-    scale: f32,
-    seqs: &[DecodeSeq],
-    out: &mut [f32],
+    batch: &KvBatch<'_>,
+    k: &[f32],
+    v: &[f32],
+    guard: &impl KvGuard,
 ) {
-    if let Err(e) = decode_impl(
-        Exec::global(),
-        pool,
-        geom,
-        layer,
-        n_heads,
-        scale,
-        seqs,
-        out,
-        None,
-    ) {
-        panic!("paged_attention_decode: {e}");
-    }
-}
-
-/// [`paged_attention_decode`] that first compares every `PageRef` to be read
-/// with `generations[page]` and refuses — reading nothing — on a mismatch.
-///
-/// # Errors
-/// [`KernelError::GenerationMismatch`] (sequence, entry, page, both
-/// generations), [`KernelError::BlockTableTooShort`], or
-/// [`KernelError::PageOutOfRange`] (outside the pool or the generation array).
-///
-/// # Panics
-/// On shape mismatches.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention_decode_checked(
-    pool: &[f16],
-    geom: &KvGeometry,
-    layer: usize,
-    n_heads: usize,
-    scale: f32,
-    seqs: &[DecodeSeq],
-    out: &mut [f32],
-    generations: &[Generation],
-) -> Result<(), KernelError> {
-    decode_impl(
-        Exec::global(),
-        pool,
-        geom,
-        layer,
-        n_heads,
-        scale,
-        seqs,
-        out,
-        Some(generations),
-    )
-}
-
-/// [`paged_attention_decode_checked`] (or unchecked, with `generations` `None`)
-/// on a given pool and instruction set.
-///
-/// # Errors
-/// As [`paged_attention_decode_checked`].
-///
-/// # Panics
-/// On shape mismatches.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_impl(
-    exec: Exec,
-    pool: &[f16],
-    geom: &KvGeometry,
-    layer: usize,
-    n_heads: usize,
-    scale: f32,
-    seqs: &[DecodeSeq],
-    out: &mut [f32],
-    generations: Option<&[Generation]>,
-) -> Result<(), KernelError> {
-    let group = assert_heads(geom, layer, n_heads);
-    let hd = geom.head_dim;
-    let qw = n_heads * hd;
-    assert_eq!(
-        out.len(),
-        seqs.len() * qw,
-        "decode output of {} values",
-        out.len()
+    let w = geom.slot_width();
+    assert!(layer < geom.n_layers, "layer {layer} of {}", geom.n_layers);
+    assert!(
+        k.len() == batch.tokens() * w && v.len() == k.len(),
+        "K/V of {}/{} values for {} tokens of width {w}",
+        k.len(),
+        v.len(),
+        batch.tokens()
     );
     let n_pages = geom.n_pages(pool.len());
-    for (i, s) in seqs.iter().enumerate() {
-        assert_eq!(
-            s.q.len(),
-            qw,
-            "sequence {i}: query of {} values, expected {qw}",
-            s.q.len()
-        );
-        check_table(geom, n_pages, i, s.block_table, s.seq_len, generations)?;
-    }
-    let isa = exec.isa.or_portable();
-    let nkv = geom.n_kv_heads;
-    let outp = SharedMut::new(out);
-    let task = |i: usize| {
-        let (si, kvh) = (i / nkv, i % nkv);
-        let s = &seqs[si];
-        let start = si * qw + kvh * group * hd;
-        // SAFETY: task (si, kvh) alone writes this head group of sequence si.
-        let o = unsafe { outp.slice(start, group * hd) };
-        if s.seq_len == 0 {
-            o.fill(0.0);
-            return;
+    let mut stores = 0u64;
+    for row in 0..batch.rows() {
+        for token in batch.queries(row) {
+            let to = batch.store_slots[token];
+            if to.is_padding() || !guard.live(row) {
+                continue;
+            }
+            if to.page.page.0 as usize >= n_pages || to.slot as usize >= geom.page_slots {
+                let access = Access::Store {
+                    token,
+                    layer,
+                    slot: to.slot as usize,
+                };
+                guard.outside(row, access, to.page, n_pages);
+                continue;
+            }
+            stores += 1;
+            if !guard.store(row, token, to.page, to.slot as usize, layer) {
+                continue;
+            }
+            for (kv, src) in [
+                &k[token * w..(token + 1) * w],
+                &v[token * w..(token + 1) * w],
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let o = geom.offset(to.page.page, layer, kv, to.slot as usize);
+                for (d, &s) in pool[o..o + w].iter_mut().zip(src) {
+                    *d = f16::from_f32(s);
+                }
+            }
         }
-        let q = &s.q[kvh * group * hd..(kvh + 1) * group * hd];
-        attend_group(
-            isa,
-            pool,
-            geom,
+    }
+    guard.count(0, stores);
+}
+
+/// Queries per attention task of a row.
+const QUERY_CHUNK: usize = 4;
+
+/// Asks `guard` about every page row `row` reads for positions `0..len`:
+/// the pages (in position order) if all may be read, `None` if one was
+/// refused (the row has stopped) or is outside the pool.
+#[allow(clippy::too_many_arguments)]
+fn checked_pages(
+    geom: &KvGeometry,
+    n_pages: usize,
+    layer: usize,
+    batch: &KvBatch<'_>,
+    row: usize,
+    len: usize,
+    guard: &impl KvGuard,
+) -> Option<Vec<PageId>> {
+    let ps = geom.page_slots;
+    let entries = len.div_ceil(ps);
+    let mut pages = Vec::with_capacity(entries);
+    for entry in 0..entries {
+        let slots = (len - entry * ps).min(ps);
+        let access = Access::Read {
+            entry,
             layer,
-            kvh,
-            s.block_table,
-            s.seq_len,
-            scale,
-            q,
-            o,
-        );
-    };
-    let work: usize = seqs.iter().map(|s| s.seq_len).sum::<usize>() * qw;
-    if work < 32_768 {
-        (0..seqs.len() * nkv).for_each(task);
-    } else {
-        exec.pool.run(seqs.len() * nkv, task);
+            slots,
+        };
+        // The flat index: past the row's width is the next row's entry.
+        let Some(&page) = batch.block_tables.get(row * batch.width + entry) else {
+            guard.outside(row, access, PageRef::default(), n_pages);
+            return None;
+        };
+        if page.page.0 as usize >= n_pages {
+            guard.outside(row, access, page, n_pages);
+            return None;
+        }
+        if !guard.read(row, entry, page, layer, slots) {
+            return None;
+        }
+        pages.push(page.page);
     }
-    Ok(())
+    guard.count(entries as u64, 0);
+    Some(pages)
 }
 
-/// Prefill of one chunk of one sequence: `n_new` queries (`q`, `n_new ×
-/// n_heads × head_dim`) at positions `start_pos..start_pos + n_new`, whose K/V
-/// are already in the pool; query `i` attends causally to positions
-/// `0..=start_pos + i`. `out` has the shape of `q`. Runs on the global pool.
+/// Attention of every row's new tokens over its pages for `layer`: `q` and
+/// `out` are `tokens × n_heads × head_dim`. Each task (a row's chunk of up
+/// to four queries, one KV head) asks `guard` about each page it is about to
+/// read; a stopped row's output is zero.
 ///
 /// # Panics
-/// If the block table does not cover `start_pos + n_new` tokens inside the
-/// pool (nothing is read then), or on shape mismatches.
+/// On shape mismatches (see [`KvBatch::validate`], `q`/`out` lengths, heads
+/// that do not divide into KV heads, `layer` outside the geometry).
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention_prefill(
-    pool: &[f16],
-    geom: &KvGeometry,
-    layer: usize,
-    n_heads: usize,
-    scale: f32,
-    q: &[f32],
-    block_table: &[PageRef],
-    start_pos: usize,
-    n_new: usize,
-    out: &mut [f32],
-) {
-    let r = prefill_impl(
-        Exec::global(),
-        pool,
-        geom,
-        layer,
-        n_heads,
-        scale,
-        q,
-        block_table,
-        start_pos,
-        n_new,
-        out,
-        None,
-    );
-    if let Err(e) = r {
-        panic!("paged_attention_prefill: {e}");
-    }
-}
-
-/// [`paged_attention_prefill`] that refuses — reading nothing — when a
-/// `PageRef` to be read does not match `generations[page]`. Errors name
-/// sequence 0 (the only sequence of the call).
-///
-/// # Errors
-/// As [`paged_attention_decode_checked`].
-///
-/// # Panics
-/// On shape mismatches.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention_prefill_checked(
-    pool: &[f16],
-    geom: &KvGeometry,
-    layer: usize,
-    n_heads: usize,
-    scale: f32,
-    q: &[f32],
-    block_table: &[PageRef],
-    start_pos: usize,
-    n_new: usize,
-    out: &mut [f32],
-    generations: &[Generation],
-) -> Result<(), KernelError> {
-    prefill_impl(
-        Exec::global(),
-        pool,
-        geom,
-        layer,
-        n_heads,
-        scale,
-        q,
-        block_table,
-        start_pos,
-        n_new,
-        out,
-        Some(generations),
-    )
-}
-
-/// Prefill attention on a given pool and instruction set; checked when
-/// `generations` is given.
-///
-/// # Errors
-/// As [`paged_attention_prefill_checked`].
-///
-/// # Panics
-/// On shape mismatches.
-#[allow(clippy::too_many_arguments)]
-pub fn prefill_impl(
+pub fn attend(
     exec: Exec,
     pool: &[f16],
     geom: &KvGeometry,
     layer: usize,
     n_heads: usize,
     scale: f32,
+    batch: &KvBatch<'_>,
     q: &[f32],
-    block_table: &[PageRef],
-    start_pos: usize,
-    n_new: usize,
     out: &mut [f32],
-    generations: Option<&[Generation]>,
-) -> Result<(), KernelError> {
+    guard: &impl KvGuard,
+) {
     let group = assert_heads(geom, layer, n_heads);
+    if let Err(e) = batch.validate() {
+        panic!("attend: {e}");
+    }
     let hd = geom.head_dim;
     let qw = n_heads * hd;
-    assert_eq!(
-        q.len(),
-        n_new * qw,
-        "prefill query of {} values for {n_new} tokens",
-        q.len()
-    );
-    assert_eq!(out.len(), q.len(), "prefill output length");
+    assert_eq!(q.len(), batch.tokens() * qw, "query of {} values", q.len());
+    assert_eq!(out.len(), q.len(), "attention output length");
     let n_pages = geom.n_pages(pool.len());
-    check_table(
-        geom,
-        n_pages,
-        0,
-        block_table,
-        start_pos + n_new,
-        generations,
-    )?;
     let isa = exec.isa.or_portable();
     let nkv = geom.n_kv_heads;
-    let chunk = 4usize;
-    let n_chunks = n_new.div_ceil(chunk);
+    // Tasks: (row, first query of the chunk), for each KV head.
+    let mut chunks = Vec::new();
+    let mut work = 0usize;
+    for row in 0..batch.rows() {
+        let queries = batch.queries(row);
+        work += queries.len() * batch.seq_lens[row] as usize;
+        chunks.extend(queries.step_by(QUERY_CHUNK).map(|first| (row, first)));
+    }
     let outp = SharedMut::new(out);
-    exec.pool.run(n_chunks * nkv, |task| {
-        let (c, kvh) = (task / nkv, task % nkv);
-        for i in c * chunk..((c + 1) * chunk).min(n_new) {
-            let start = i * qw + kvh * group * hd;
-            // SAFETY: task (c, kvh) alone writes head group kvh of queries in chunk c.
-            let o = unsafe { outp.slice(start, group * hd) };
-            let qs = &q[start..start + group * hd];
-            attend_group(
-                isa,
-                pool,
-                geom,
-                layer,
-                kvh,
-                block_table,
-                start_pos + i + 1,
-                scale,
-                qs,
-                o,
-            );
+    let task = |t: usize| {
+        let ((row, first), kvh) = (chunks[t / nkv], t % nkv);
+        let queries = batch.queries(row);
+        let last = (first + QUERY_CHUNK).min(queries.end);
+        let seq_len = batch.seq_lens[row] as usize;
+        let start_pos = seq_len - queries.len();
+        let lens = |i: usize| start_pos + (i - queries.start) + 1;
+        let pages = if guard.live(row) {
+            checked_pages(geom, n_pages, layer, batch, row, lens(last - 1), guard)
+        } else {
+            None
+        };
+        for i in first..last {
+            let at = i * qw + kvh * group * hd;
+            // SAFETY: task (chunk, kvh) alone writes head group kvh of the
+            // queries of its chunk.
+            let o = unsafe { outp.slice(at, group * hd) };
+            match &pages {
+                Some(pages) => attend_group(
+                    isa,
+                    pool,
+                    geom,
+                    layer,
+                    kvh,
+                    pages,
+                    lens(i),
+                    scale,
+                    &q[at..at + group * hd],
+                    o,
+                ),
+                None => o.fill(0.0),
+            }
         }
-    });
-    Ok(())
+    };
+    let tasks = chunks.len() * nkv;
+    if work * qw < 32_768 {
+        (0..tasks).for_each(task);
+    } else {
+        exec.pool.run(tasks, task);
+    }
 }

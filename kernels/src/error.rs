@@ -32,6 +32,12 @@ pub enum KernelError {
         /// Bytes given.
         actual: usize,
     },
+    /// Batch arrays whose shapes do not fit each other.
+    #[error("KV batch arrays do not fit: {what}")]
+    BatchShape {
+        /// Which array, and what it should be.
+        what: String,
+    },
     /// A block table that does not cover the tokens to be read.
     #[error(
         "sequence {seq}: {seq_len} tokens need {pages_needed} pages but the block table has {block_table_len}"

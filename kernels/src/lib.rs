@@ -2,9 +2,10 @@
 //!
 //! CPU kernels for a Llama-family forward pass, numerically close to
 //! llama.cpp's CPU backend: quantized matrix products ([`matmul`]), the
-//! element-wise operations ([`ops`]) and paged attention over an f16 KV page
-//! pool ([`attention`]), with a generation-checked variant that refuses to
-//! read a page re-allocated since its block table was built. Each kernel has
+//! element-wise operations ([`ops`]), and the KV store and paged attention
+//! over an f16 KV page pool for a whole batch ([`attention`]), which ask a
+//! [`guard::KvGuard`] before every page they touch (the pool's generation
+//! array, or the sanitizer's kernel shadow). Each kernel has
 //! an AVX2 path chosen at run time ([`isa`]) and a portable one, and runs on a
 //! thread pool built for many small jobs ([`threads`]).
 #![warn(missing_docs)]
@@ -16,18 +17,17 @@ mod avx2;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+pub mod guard;
 pub mod isa;
 pub mod matmul;
 pub mod ops;
 pub mod quant;
 pub mod threads;
 
-pub use attention::{
-    DecodeSeq, KvGeometry, kv_write, paged_attention_decode, paged_attention_decode_checked,
-    paged_attention_prefill, paged_attention_prefill_checked,
-};
+pub use attention::{KvBatch, KvGeometry, StoreSlot, attend, store_kv};
 pub use dtype::DType;
 pub use error::KernelError;
+pub use guard::{GenerationChecked, KvGuard, RowLedger, Unchecked};
 pub use isa::Isa;
 pub use matmul::{WeightMatrix, dequantize_row, matmul, matmul_with};
 pub use ops::{embedding, rms_norm, rope_inplace, softmax_inplace, swiglu};

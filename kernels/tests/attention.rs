@@ -1,14 +1,18 @@
-//! Paged attention (decode and prefill, GQA, page boundaries, partial last
-//! pages) against a plain reference, and the checked variants' refusals.
+//! The batch KV kernels: attention (decode and prefill rows in one batch,
+//! GQA, page boundaries, partial last pages) against a plain reference; the
+//! store through the slot mapping; and what the guard is asked — exactly the
+//! pages, slots and layers each kernel touches — and what a refusal does.
 
 mod common;
 
+use std::sync::Mutex;
+
 use common::*;
 use half::f16;
-use kvsan_kernels::attention::{decode_impl, prefill_impl};
+use kvsan_kernels::guard::{Access, Reason, Refusal};
 use kvsan_kernels::{
-    DecodeSeq, Exec, Isa, KernelError, KvGeometry, ThreadPool, kv_write, paged_attention_decode,
-    paged_attention_decode_checked, paged_attention_prefill_checked,
+    Exec, GenerationChecked, Isa, KvBatch, KvGeometry, KvGuard, RowLedger, StoreSlot, ThreadPool,
+    Unchecked, attend, store_kv,
 };
 use kvsan_sanitizer::{Generation, PageId, PageRef};
 use rand::Rng;
@@ -22,6 +26,7 @@ const GEOM: KvGeometry = KvGeometry {
 const N_HEADS: usize = 6;
 const N_PAGES: usize = 12;
 const LAYER: usize = 1;
+const QW: usize = N_HEADS * GEOM.head_dim;
 
 /// A pool of N_PAGES pages full of random values (as a recycled pool is).
 fn random_pool(seed: u64) -> Vec<f16> {
@@ -31,8 +36,56 @@ fn random_pool(seed: u64) -> Vec<f16> {
         .collect()
 }
 
-fn table(pages: &[u32]) -> Vec<PageRef> {
+fn refs(pages: &[u32]) -> Vec<PageRef> {
     pages.iter().map(|&p| PageRef::new(p, 1)).collect()
+}
+
+/// Owned batch arrays built from per-row tables, lengths and new-token counts.
+struct Batch {
+    block_tables: Vec<PageRef>,
+    width: usize,
+    seq_lens: Vec<u32>,
+    query_start: Vec<u32>,
+    store_slots: Vec<StoreSlot>,
+}
+
+impl Batch {
+    /// Row r: table `tables[r]`, context `lens[r]` of which the last
+    /// `news[r]` are new (stored through the row's table).
+    fn new(tables: &[Vec<PageRef>], lens: &[usize], news: &[usize]) -> Batch {
+        let width = tables.iter().map(Vec::len).max().unwrap_or(0);
+        let mut b = Batch {
+            block_tables: Vec::new(),
+            width,
+            seq_lens: Vec::new(),
+            query_start: vec![0],
+            store_slots: Vec::new(),
+        };
+        for (r, t) in tables.iter().enumerate() {
+            let mut row = t.clone();
+            row.resize(width, PageRef::new(u32::MAX, 0));
+            b.block_tables.extend(row);
+            b.seq_lens.push(lens[r] as u32);
+            for pos in lens[r] - news[r]..lens[r] {
+                b.store_slots.push(StoreSlot {
+                    page: t[pos / GEOM.page_slots],
+                    slot: (pos % GEOM.page_slots) as u32,
+                });
+            }
+            b.query_start.push(b.store_slots.len() as u32);
+        }
+        b
+    }
+
+    fn view(&self) -> KvBatch<'_> {
+        KvBatch {
+            block_tables: &self.block_tables,
+            width: self.width,
+            seq_lens: &self.seq_lens,
+            query_start: &self.query_start,
+            store_slots: &self.store_slots,
+        }
+    }
 }
 
 /// Plain attention of one query (`N_HEADS × head_dim`) over `len` tokens.
@@ -82,433 +135,370 @@ fn assert_near(what: &str, got: &[f32], want: &[f64]) {
     }
 }
 
-#[test]
-fn kv_write_stores_k_and_v_at_the_geometry_offset() {
-    let mut pool = random_pool(20);
-    let mut rng = rng(21);
-    let k = random_f32(&mut rng, GEOM.slot_width(), 1.0);
-    let v = random_f32(&mut rng, GEOM.slot_width(), 1.0);
-    kv_write(&mut pool, &GEOM, PageId(7), 5, 1, &k, &v);
-    let ko = GEOM.offset(PageId(7), 1, 0, 5);
-    let vo = GEOM.offset(PageId(7), 1, 1, 5);
-    assert_eq!(vo - ko, GEOM.page_slots * GEOM.slot_width());
-    for i in 0..k.len() {
-        assert_eq!(pool[ko + i], f16::from_f32(k[i]));
-        assert_eq!(pool[vo + i], f16::from_f32(v[i]));
-    }
+/// Decode rows of 1, 16, 37 and 100 tokens and a prefill row of 5 new
+/// tokens after 14 (crossing a page), in one batch.
+fn mixed() -> (Vec<Vec<PageRef>>, Vec<usize>, Vec<usize>) {
+    let tables = vec![
+        refs(&[3]),
+        refs(&[7]),
+        refs(&[9, 2, 5]),
+        refs(&[0, 11, 4, 8, 1, 6, 10]),
+        refs(&[6, 1]),
+    ];
+    (tables, vec![1, 16, 37, 100, 19], vec![1, 1, 1, 1, 5])
+}
+
+fn run_attend(exec: Exec, pool: &[f16], b: &Batch, q: &[f32], guard: &impl KvGuard) -> Vec<f32> {
+    let mut out = vec![-7.0f32; q.len()];
+    attend(
+        exec,
+        pool,
+        &GEOM,
+        LAYER,
+        N_HEADS,
+        0.1,
+        &b.view(),
+        q,
+        &mut out,
+        guard,
+    );
+    out
 }
 
 #[test]
-fn decode_matches_reference_across_page_boundaries_and_gqa() {
+fn attention_over_a_mixed_batch_matches_the_reference_on_any_pool_and_isa() {
     let pool = random_pool(22);
-    let mut rng = rng(23);
-    let tables = [
-        table(&[3]),
-        table(&[7]),
-        table(&[9, 2, 5]),
-        table(&[0, 11, 4, 8, 1, 6, 10]),
-    ];
-    // 1 token, a full page, a partial third page, 100 tokens over 7 pages.
-    let lens = [1usize, 16, 37, 100];
-    let qs: Vec<Vec<f32>> = lens
-        .iter()
-        .map(|_| random_f32(&mut rng, N_HEADS * GEOM.head_dim, 2.0))
-        .collect();
-    let seqs: Vec<DecodeSeq> = (0..lens.len())
-        .map(|i| DecodeSeq {
-            q: &qs[i],
-            block_table: &tables[i],
-            seq_len: lens[i],
-        })
-        .collect();
-    let scale = 1.0 / (GEOM.head_dim as f32).sqrt();
-    let threads = ThreadPool::new(3);
-    let qw = N_HEADS * GEOM.head_dim;
-    for isa in Isa::all_available() {
-        let mut out = vec![f32::NAN; seqs.len() * qw];
-        decode_impl(
-            Exec {
-                pool: &threads,
-                isa,
-            },
-            &pool,
-            &GEOM,
-            LAYER,
-            N_HEADS,
-            scale,
-            &seqs,
-            &mut out,
-            None,
-        )
-        .unwrap();
-        for (i, s) in seqs.iter().enumerate() {
-            let want = reference(&pool, scale, s.q, s.block_table, s.seq_len);
+    let (tables, lens, news) = mixed();
+    let b = Batch::new(&tables, &lens, &news);
+    let q = random_f32(&mut rng(23), b.store_slots.len() * QW, 2.0);
+    let ledger = RowLedger::new(lens.len());
+    let guard = Unchecked { ledger: &ledger };
+    let global = run_attend(Exec::global(), &pool, &b, &q, &guard);
+    let mut token = 0;
+    for (r, t) in tables.iter().enumerate() {
+        for i in 0..news[r] {
+            let len = lens[r] - news[r] + i + 1;
+            let want = reference(&pool, 0.1, &q[token * QW..(token + 1) * QW], t, len);
             assert_near(
-                &format!("{isa:?} seq {i} (len {})", s.seq_len),
-                &out[i * qw..(i + 1) * qw],
+                &format!("row {r} query {i}"),
+                &global[token * QW..(token + 1) * QW],
                 &want,
             );
+            token += 1;
         }
     }
-    let mut global = vec![0.0; seqs.len() * qw];
-    paged_attention_decode(&pool, &GEOM, LAYER, N_HEADS, scale, &seqs, &mut global);
-    let mut checked = vec![0.0; seqs.len() * qw];
-    let generations = vec![Generation(1); N_PAGES];
-    paged_attention_decode_checked(
-        &pool,
+    let one = ThreadPool::new(1);
+    for isa in [Isa::Portable, Isa::detected()] {
+        let got = run_attend(Exec { pool: &one, isa }, &pool, &b, &q, &guard);
+        assert_near(
+            &format!("{isa:?} on one thread"),
+            &got,
+            &global.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
+        );
+    }
+    assert!(ledger.refusals().is_empty());
+}
+
+#[test]
+fn the_store_writes_each_token_where_its_slot_mapping_says_and_skips_padding() {
+    let mut pool = random_pool(20);
+    let before = pool.clone();
+    let tables = vec![refs(&[7]), refs(&[2, 5])];
+    let mut b = Batch::new(&tables, &[6, 20], &[1, 3]);
+    // A padding token appended to row 1.
+    b.store_slots.push(StoreSlot::PADDING);
+    *b.query_start.last_mut().unwrap() += 1;
+    b.seq_lens[1] += 1;
+    let w = GEOM.slot_width();
+    let n = b.store_slots.len();
+    let k = random_f32(&mut rng(21), n * w, 1.0);
+    let v = random_f32(&mut rng(24), n * w, 1.0);
+    let ledger = RowLedger::new(2);
+    store_kv(
+        &mut pool,
         &GEOM,
         LAYER,
-        N_HEADS,
-        scale,
-        &seqs,
-        &mut checked,
-        &generations,
-    )
-    .unwrap();
-    assert_eq!(global, checked, "checked and unchecked decode differ");
+        &b.view(),
+        &k,
+        &v,
+        &Unchecked { ledger: &ledger },
+    );
+    for (t, slot) in b.store_slots.iter().enumerate().take(n - 1) {
+        let ko = GEOM.offset(slot.page.page, LAYER, 0, slot.slot as usize);
+        let vo = GEOM.offset(slot.page.page, LAYER, 1, slot.slot as usize);
+        for i in 0..w {
+            assert_eq!(pool[ko + i], f16::from_f32(k[t * w + i]));
+            assert_eq!(pool[vo + i], f16::from_f32(v[t * w + i]));
+        }
+    }
+    let changed = pool.iter().zip(&before).filter(|(a, b)| a != b).count();
+    assert!(
+        changed <= 4 * 2 * w,
+        "only the four real tokens' K and V change"
+    );
+    assert!(ledger.refusals().is_empty());
 }
 
-#[test]
-fn prefill_is_causal_and_matches_reference_for_each_query() {
-    let pool = random_pool(24);
-    let mut rng = rng(25);
-    let bt = table(&[6, 1, 10]);
-    let scale = 0.125;
-    let threads = ThreadPool::new(2);
-    let qw = N_HEADS * GEOM.head_dim;
-    // A first chunk crossing a page boundary, then a later chunk ending in a partial page.
-    for (start_pos, n_new) in [(0usize, 20usize), (30, 5)] {
-        let q = random_f32(&mut rng, n_new * qw, 2.0);
-        for isa in Isa::all_available() {
-            let mut out = vec![f32::NAN; n_new * qw];
-            prefill_impl(
-                Exec {
-                    pool: &threads,
-                    isa,
-                },
-                &pool,
-                &GEOM,
-                LAYER,
-                N_HEADS,
-                scale,
-                &q,
-                &bt,
-                start_pos,
-                n_new,
-                &mut out,
-                None,
-            )
-            .unwrap();
-            for i in 0..n_new {
-                let want = reference(
-                    &pool,
-                    scale,
-                    &q[i * qw..(i + 1) * qw],
-                    &bt,
-                    start_pos + i + 1,
-                );
-                assert_near(
-                    &format!("{isa:?} chunk at {start_pos}, query {i}"),
-                    &out[i * qw..(i + 1) * qw],
-                    &want,
-                );
-            }
+/// A question a guard was asked: (row, entry or token, page, layer or slot,
+/// slots or layer), in the order of `KvGuard::read` / `KvGuard::store`.
+type Asked = (usize, usize, PageRef, usize, usize);
+
+/// A guard that records every question and refuses what it is told to.
+struct Recording {
+    reads: Mutex<Vec<Asked>>,
+    stores: Mutex<Vec<Asked>>,
+    refuse_page: Option<PageRef>,
+    ledger: RowLedger,
+}
+
+impl Recording {
+    fn new(rows: usize, refuse_page: Option<PageRef>) -> Recording {
+        Recording {
+            reads: Mutex::default(),
+            stores: Mutex::default(),
+            refuse_page,
+            ledger: RowLedger::new(rows),
         }
+    }
+
+    fn allow(&self, row: usize, access: Access, page: PageRef) -> bool {
+        if Some(page) != self.refuse_page {
+            return true;
+        }
+        self.ledger.refuse(Refusal {
+            row,
+            access,
+            page,
+            reason: Reason::Checked,
+        });
+        false
     }
 }
 
-#[test]
-fn prefill_query_equals_decode_at_the_same_position() {
-    let pool = random_pool(26);
-    let mut rng = rng(27);
-    let bt = table(&[2, 9, 4]);
-    let qw = N_HEADS * GEOM.head_dim;
-    let (start_pos, n_new) = (10, 25);
-    let q = random_f32(&mut rng, n_new * qw, 1.0);
-    let exec = Exec {
-        pool: &ThreadPool::new(2),
-        isa: Isa::detected(),
-    };
-    let mut pre = vec![0.0; n_new * qw];
-    prefill_impl(
-        exec, &pool, &GEOM, LAYER, N_HEADS, 0.1, &q, &bt, start_pos, n_new, &mut pre, None,
-    )
-    .unwrap();
-    for i in [0, 5, 24] {
-        let seq = DecodeSeq {
-            q: &q[i * qw..(i + 1) * qw],
-            block_table: &bt,
-            seq_len: start_pos + i + 1,
-        };
-        let mut dec = vec![0.0; qw];
-        decode_impl(
-            exec,
-            &pool,
-            &GEOM,
-            LAYER,
-            N_HEADS,
-            0.1,
-            &[seq],
-            &mut dec,
-            None,
+impl KvGuard for Recording {
+    fn ledger(&self) -> &RowLedger {
+        &self.ledger
+    }
+    fn read(&self, row: usize, entry: usize, page: PageRef, layer: usize, slots: usize) -> bool {
+        self.reads
+            .lock()
+            .unwrap()
+            .push((row, entry, page, layer, slots));
+        self.allow(
+            row,
+            Access::Read {
+                entry,
+                layer,
+                slots,
+            },
+            page,
         )
-        .unwrap();
-        assert_eq!(&pre[i * qw..(i + 1) * qw], &dec[..], "query {i}");
+    }
+    fn store(&self, row: usize, token: usize, page: PageRef, slot: usize, layer: usize) -> bool {
+        self.stores
+            .lock()
+            .unwrap()
+            .push((row, token, page, slot, layer));
+        self.allow(row, Access::Store { token, layer, slot }, page)
     }
 }
 
-fn one_query() -> Vec<f32> {
-    random_f32(&mut rng(28), N_HEADS * GEOM.head_dim, 1.0)
+#[test]
+fn attention_asks_about_exactly_the_pages_and_slots_each_task_reads() {
+    let pool = random_pool(25);
+    // Row 0 decodes at 37 tokens; row 1 prefills 5 tokens after 14.
+    let tables = vec![refs(&[9, 2, 5]), refs(&[6, 1])];
+    let b = Batch::new(&tables, &[37, 19], &[1, 5]);
+    let q = random_f32(&mut rng(26), b.store_slots.len() * QW, 1.0);
+    let guard = Recording::new(b.seq_lens.len(), None);
+    run_attend(Exec::global(), &pool, &b, &q, &guard);
+    let mut reads = guard.reads.lock().unwrap().clone();
+    reads.sort_by_key(|r| (r.0, r.1, r.4));
+    reads.dedup();
+    let p = |t: &Vec<PageRef>, i: usize| t[i];
+    assert_eq!(
+        reads,
+        vec![
+            // Row 0: pages 0, 1 whole, 5 slots of the third (37 = 16 + 16 + 5).
+            (0, 0, p(&tables[0], 0), LAYER, 16),
+            (0, 1, p(&tables[0], 1), LAYER, 16),
+            (0, 2, p(&tables[0], 2), LAYER, 5),
+            // Row 1: its first chunk (queries at 14..18) reads up to
+            // position 17, its second (query 18) up to 18: page 0 whole,
+            // then 2 or 3 slots of page 1.
+            (1, 0, p(&tables[1], 0), LAYER, 16),
+            (1, 1, p(&tables[1], 1), LAYER, 2),
+            (1, 1, p(&tables[1], 1), LAYER, 3),
+        ]
+    );
+    // Every (task, page) asks once per KV head: 2 heads.
+    assert_eq!(guard.reads.lock().unwrap().len(), 2 * (3 + 2 + 2));
 }
 
 #[test]
-fn checked_decode_refuses_a_stale_page_and_names_sequence_page_and_generations() {
-    let pool = random_pool(29);
-    let q = one_query();
-    let fresh = table(&[3]);
-    let mut stale = table(&[9, 2, 5]);
-    stale[2].generation = Generation(1);
-    let mut generations = vec![Generation(1); N_PAGES];
-    generations[5] = Generation(2); // page 5 was freed and re-allocated
-    let seqs = [
-        DecodeSeq {
-            q: &q,
-            block_table: &fresh,
-            seq_len: 3,
-        },
-        DecodeSeq {
-            q: &q,
-            block_table: &stale,
-            seq_len: 37,
-        },
-    ];
-    let mut out = vec![-7.0f32; 2 * N_HEADS * GEOM.head_dim];
-    let err = paged_attention_decode_checked(
-        &pool,
-        &GEOM,
-        LAYER,
-        N_HEADS,
-        0.1,
-        &seqs,
-        &mut out,
-        &generations,
-    )
-    .unwrap_err();
+fn the_store_asks_about_each_token_with_its_page_slot_and_layer() {
+    let mut pool = random_pool(27);
+    let tables = vec![refs(&[4]), refs(&[6, 1])];
+    let b = Batch::new(&tables, &[3, 18], &[1, 3]);
+    let w = GEOM.slot_width();
+    let kv = random_f32(&mut rng(28), 4 * w, 1.0);
+    let guard = Recording::new(b.seq_lens.len(), None);
+    store_kv(&mut pool, &GEOM, 0, &b.view(), &kv, &kv, &guard);
     assert_eq!(
-        err,
-        KernelError::GenerationMismatch {
-            seq: 1,
-            index: 2,
-            page: PageId(5),
-            found: Generation(1),
-            current: Generation(2)
-        }
+        *guard.stores.lock().unwrap(),
+        vec![
+            (0, 0, PageRef::new(4, 1), 2, 0),
+            (1, 1, PageRef::new(6, 1), 15, 0),
+            (1, 2, PageRef::new(1, 1), 0, 0),
+            (1, 3, PageRef::new(1, 1), 1, 0),
+        ]
     );
-    let msg = err.to_string();
-    for part in ["sequence 1", "page 5", "generation 1", "generation 2"] {
-        assert!(msg.contains(part), "{msg:?} lacks {part:?}");
+}
+
+#[test]
+fn a_refused_read_stops_its_row_with_zero_output_and_leaves_the_others_exact() {
+    let mut pool = random_pool(29);
+    // Page 5 holds the poison: a read of it would turn the output NaN.
+    let at = 5 * GEOM.page_elems();
+    pool[at..at + GEOM.page_elems()].fill(f16::NAN);
+    let tables = vec![refs(&[3]), refs(&[9, 2, 5]), refs(&[7])];
+    let b = Batch::new(&tables, &[3, 37, 9], &[1, 1, 1]);
+    let q = random_f32(&mut rng(30), 3 * QW, 1.0);
+    let guard = Recording::new(3, Some(PageRef::new(5, 1)));
+    let out = run_attend(Exec::global(), &pool, &b, &q, &guard);
+    assert!(
+        out[QW..2 * QW].iter().all(|&v| v == 0.0),
+        "the refused row reads nothing"
+    );
+    for r in [0, 2] {
+        let want = reference(
+            &pool,
+            0.1,
+            &q[r * QW..(r + 1) * QW],
+            &tables[r],
+            b.seq_lens[r] as usize,
+        );
+        assert_near(&format!("row {r}"), &out[r * QW..(r + 1) * QW], &want);
     }
-    assert!(
-        out.iter().all(|&v| v == -7.0),
-        "a refused call wrote output"
-    );
-}
-
-#[test]
-fn checked_decode_ignores_entries_past_the_tokens_it_reads() {
-    let pool = random_pool(30);
-    let q = one_query();
-    let mut generations = vec![Generation(1); N_PAGES];
-    generations[11] = Generation(3);
-    let bt = table(&[9, 2, 11]); // page 11 is reserved for tokens 32.. but not read at length 32
-    let seqs = [DecodeSeq {
-        q: &q,
-        block_table: &bt,
-        seq_len: 32,
-    }];
-    let mut out = vec![0.0; N_HEADS * GEOM.head_dim];
-    paged_attention_decode_checked(
-        &pool,
-        &GEOM,
-        LAYER,
-        N_HEADS,
-        0.1,
-        &seqs,
-        &mut out,
-        &generations,
-    )
-    .unwrap();
-    let seqs = [DecodeSeq {
-        q: &q,
-        block_table: &bt,
-        seq_len: 33,
-    }];
-    let err = paged_attention_decode_checked(
-        &pool,
-        &GEOM,
-        LAYER,
-        N_HEADS,
-        0.1,
-        &seqs,
-        &mut out,
-        &generations,
-    );
-    assert!(
-        matches!(
-            err,
-            Err(KernelError::GenerationMismatch {
-                page: PageId(11),
-                ..
-            })
-        ),
-        "{err:?}"
-    );
-}
-
-#[test]
-fn checked_decode_refuses_short_tables_and_pages_outside_the_pool() {
-    let pool = random_pool(31);
-    let q = one_query();
-    let generations = vec![Generation(1); N_PAGES];
-    let mut out = vec![0.0; N_HEADS * GEOM.head_dim];
-    let short = table(&[1, 2]);
-    let seqs = [DecodeSeq {
-        q: &q,
-        block_table: &short,
-        seq_len: 40,
-    }];
+    let refusals = guard.ledger.refusals();
+    assert_eq!(refusals.len(), 1);
+    assert_eq!(refusals[0].row, 1);
     assert_eq!(
-        paged_attention_decode_checked(
-            &pool,
-            &GEOM,
-            LAYER,
-            N_HEADS,
-            0.1,
-            &seqs,
-            &mut out,
-            &generations
-        ),
-        Err(KernelError::BlockTableTooShort {
-            seq: 0,
-            seq_len: 40,
-            pages_needed: 3,
-            block_table_len: 2
-        })
-    );
-    let outside = table(&[1, 99]);
-    let seqs = [DecodeSeq {
-        q: &q,
-        block_table: &outside,
-        seq_len: 20,
-    }];
-    assert_eq!(
-        paged_attention_decode_checked(
-            &pool,
-            &GEOM,
-            LAYER,
-            N_HEADS,
-            0.1,
-            &seqs,
-            &mut out,
-            &generations
-        ),
-        Err(KernelError::PageOutOfRange {
-            seq: 0,
-            index: 1,
-            page: PageId(99),
-            n_pages: N_PAGES
-        })
-    );
-    // A generation array shorter than the pool bounds the pages that can be checked.
-    let inside = table(&[1, 8]);
-    let seqs = [DecodeSeq {
-        q: &q,
-        block_table: &inside,
-        seq_len: 20,
-    }];
-    assert_eq!(
-        paged_attention_decode_checked(
-            &pool,
-            &GEOM,
-            LAYER,
-            N_HEADS,
-            0.1,
-            &seqs,
-            &mut out,
-            &generations[..8]
-        ),
-        Err(KernelError::PageOutOfRange {
-            seq: 0,
-            index: 1,
-            page: PageId(8),
-            n_pages: 8
-        })
-    );
-}
-
-#[test]
-#[should_panic(expected = "names page 99 but the pool has 12 pages")]
-fn unchecked_decode_panics_instead_of_reading_outside_the_pool() {
-    let pool = random_pool(32);
-    let q = one_query();
-    let bt = table(&[99]);
-    let seqs = [DecodeSeq {
-        q: &q,
-        block_table: &bt,
-        seq_len: 1,
-    }];
-    let mut out = vec![0.0; N_HEADS * GEOM.head_dim];
-    paged_attention_decode(&pool, &GEOM, LAYER, N_HEADS, 0.1, &seqs, &mut out);
-}
-
-#[test]
-fn checked_prefill_refuses_a_stale_page_before_reading() {
-    let pool = random_pool(33);
-    let qw = N_HEADS * GEOM.head_dim;
-    let q = random_f32(&mut rng(34), 4 * qw, 1.0);
-    let bt = vec![PageRef::new(4, 1), PageRef::new(6, 5)];
-    let mut generations = vec![Generation(1); N_PAGES];
-    generations[6] = Generation(6);
-    let mut out = vec![-1.0f32; 4 * qw];
-    let err = paged_attention_prefill_checked(
-        &pool,
-        &GEOM,
-        LAYER,
-        N_HEADS,
-        0.1,
-        &q,
-        &bt,
-        14,
-        4,
-        &mut out,
-        &generations,
-    )
-    .unwrap_err();
-    assert_eq!(
-        err,
-        KernelError::GenerationMismatch {
-            seq: 0,
-            index: 1,
-            page: PageId(6),
-            found: Generation(5),
-            current: Generation(6)
+        refusals[0].access,
+        Access::Read {
+            entry: 2,
+            layer: LAYER,
+            slots: 5
         }
     );
-    assert!(out.iter().all(|&v| v == -1.0));
-    generations[6] = Generation(5);
-    paged_attention_prefill_checked(
-        &pool,
-        &GEOM,
-        LAYER,
-        N_HEADS,
-        0.1,
-        &q,
-        &bt,
-        14,
-        4,
-        &mut out,
-        &generations,
-    )
-    .unwrap();
+}
+
+#[test]
+fn a_stale_tag_is_refused_by_the_generation_check_before_its_page_is_touched() {
+    let mut pool = random_pool(31);
+    let at = 5 * GEOM.page_elems();
+    pool[at..at + GEOM.page_elems()].fill(f16::NAN);
+    let mut generations = vec![Generation(1); N_PAGES];
+    generations[5] = Generation(2); // freed and re-allocated since the tag
+    let tables = vec![refs(&[3]), refs(&[9, 2, 5])];
+    let b = Batch::new(&tables, &[3, 37], &[1, 1]);
+    let q = random_f32(&mut rng(32), 2 * QW, 1.0);
+    let ledger = RowLedger::new(2);
+    let guard = GenerationChecked {
+        ledger: &ledger,
+        generations: &generations,
+    };
+    let out = run_attend(Exec::global(), &pool, &b, &q, &guard);
     assert!(out.iter().all(|v| v.is_finite()));
+    assert!(out[QW..].iter().all(|&v| v == 0.0));
+    assert_eq!(
+        ledger.refusals(),
+        vec![Refusal {
+            row: 1,
+            access: Access::Read {
+                entry: 2,
+                layer: LAYER,
+                slots: 5
+            },
+            page: PageRef::new(5, 1),
+            reason: Reason::Generation {
+                current: Generation(2)
+            },
+        }]
+    );
+    // Its stores are skipped too once the row has stopped.
+    let w = GEOM.slot_width();
+    let before = pool.clone();
+    let kv = vec![0.5f32; 2 * w];
+    store_kv(&mut pool, &GEOM, LAYER, &b.view(), &kv, &kv, &guard);
+    let at = GEOM.offset(PageId(5), LAYER, 0, 4);
+    let bits = |p: &[f16]| {
+        p[at..at + w]
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        bits(&pool),
+        bits(&before),
+        "no store through the stopped row"
+    );
+}
+
+#[test]
+fn a_page_outside_the_pool_is_never_touched_even_unchecked() {
+    let pool = random_pool(33);
+    let tables = vec![
+        refs(&[3]),
+        vec![PageRef::new(2, 1), PageRef::new(N_PAGES as u32 + 4, 1)],
+    ];
+    let b = Batch::new(&tables, &[3, 20], &[1, 1]);
+    let q = random_f32(&mut rng(34), 2 * QW, 1.0);
+    let ledger = RowLedger::new(2);
+    let out = run_attend(
+        Exec::global(),
+        &pool,
+        &b,
+        &q,
+        &Unchecked { ledger: &ledger },
+    );
+    assert!(out[QW..].iter().all(|&v| v == 0.0));
+    let refusals = ledger.refusals();
+    assert_eq!(refusals.len(), 1);
+    assert_eq!(refusals[0].reason, Reason::Outside { pages: N_PAGES });
+    assert_eq!(refusals[0].row, 1);
+}
+
+#[test]
+fn a_length_past_the_rows_width_reads_the_next_rows_entry_as_a_flat_array_does() {
+    let pool = random_pool(35);
+    let tables = vec![refs(&[3]), refs(&[8])];
+    let mut b = Batch::new(&tables, &[3, 4], &[1, 1]);
+    // Row 0 claims 20 tokens with one entry per row: entry 1 is row 1's entry 0.
+    b.seq_lens[0] = 20;
+    let q = random_f32(&mut rng(36), 2 * QW, 1.0);
+    let guard = Recording::new(b.seq_lens.len(), None);
+    run_attend(Exec::global(), &pool, &b, &q, &guard);
+    let reads = guard.reads.lock().unwrap().clone();
+    assert!(
+        reads.contains(&(0, 1, PageRef::new(8, 1), LAYER, 4)),
+        "the guard sees the page really read: {reads:?}"
+    );
+}
+
+#[test]
+fn mismatched_batch_arrays_are_refused_by_name() {
+    let tables = vec![refs(&[3])];
+    let mut b = Batch::new(&tables, &[3], &[2]);
+    b.query_start.push(5);
+    let err = b.view().validate().unwrap_err().to_string();
+    assert!(err.contains("query_start"), "{err}");
+    let mut b = Batch::new(&tables, &[3], &[2]);
+    b.block_tables.push(PageRef::new(1, 1));
+    let err = b.view().validate().unwrap_err().to_string();
+    assert!(err.contains("block_tables has 2 entries"), "{err}");
+    let mut b = Batch::new(&tables, &[3], &[2]);
+    b.seq_lens[0] = 1;
+    let err = b.view().validate().unwrap_err().to_string();
+    assert!(err.contains("row 0 has 2 new tokens"), "{err}");
 }

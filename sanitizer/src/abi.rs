@@ -11,7 +11,7 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!
-//!  KvsanHookTable (96 bytes on LP64, #[repr(C)], version 1.0)
+//!  KvsanHookTable (112 bytes on LP64, #[repr(C)], version 1.1)
 //!  offset size
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
@@ -32,6 +32,9 @@
 //!  | 80 |  8 | transfer_recv   (ctx, u32 pool, const KvsanManifest*)          |
 //!  | 88 |  8 | transfer_commit (ctx, u32 pool, KvsanOwner, const KvsanPageRef*,|
 //!  |    |    |                  size_t n, u64 committed_tokens)               |
+//!  | 96 |  8 | kernel_shadow   (ctx, u32 pool, KvsanKernelShadow *out)   1.1  |
+//!  |104 |  8 | kernel_refusal  (ctx, u32 pool, KvsanOwner,               1.1  |
+//!  |    |    |                  const KvsanKernelAccess*, u64 step)           |
 //!  +----+----+---------------------------------------------------------------+
 //!  every hook returns KvsanVerdict by value:
 //!  +----+----+---------------------------------------------------------------+
@@ -51,9 +54,24 @@
 //!                     const KvsanPageRef *dst_pages; size_t dst_len;
 //!                     u32 first_token, tokens; KvsanRange layers;
 //!                     u64 checksum }                                     80 bytes
+//!  KvsanKernelShadow{ u32 size, layout_version, pages, page_slots, layers,
+//!                     record_size, stride_words, reserved;
+//!                     const void *records; const u64 *bits;
+//!                     u64 *counters }                                    56 bytes
+//!  KvsanKernelAccess{ u32 op (0 read, 1 store, 2 poison), layer;
+//!                     KvsanPageRef page; KvsanRange slots;
+//!                     u32 entry, reserved }                              32 bytes
 //!  request events:  0 queued 1 admitted 2 prefilling 3 transferring
 //!                   4 decoding 5 finished 6 rejected 7 aborted
 //! ```
+//!
+//! `read` and `write` are the checks of an engine that calls them itself
+//! (the plain C functions do the same). An engine that can let its kernels
+//! check every access in place asks `kernel_shadow` for a pool's records and
+//! bits once, checks each page its kernels touch against them, and calls
+//! `kernel_refusal` (the cold path: report and verdict) for an access that
+//! does not pass — the kvsan engine does so and calls neither `read` nor
+//! `write`.
 //!
 //! The rules an engine applies to a table (validation, fail-closed verdicts)
 //! are the engine's; the library's side is: `size` first and accurate, every
@@ -68,6 +86,7 @@
 use std::ffi::{CStr, c_void};
 use std::ops::Range;
 
+use crate::kernel_shadow::{AccessOp, KernelAccess};
 use crate::{
     Generation, Manifest, NodeRole, Owner, PageId, PageRef, PoolGeometry, PoolId, RequestEvent,
     RequestId, SanitizerError, TenantId, Verdict, ViolationKind,
@@ -78,7 +97,7 @@ pub const HOOK_TABLE_SYMBOL: &CStr = c"kvsan_hook_table_v1";
 /// The table's major version (another major is not compatible).
 pub const HOOK_TABLE_VERSION_MAJOR: u16 = 1;
 /// The table's minor version (a newer minor only appends fields).
-pub const HOOK_TABLE_VERSION_MINOR: u16 = 0;
+pub const HOOK_TABLE_VERSION_MINOR: u16 = 1;
 /// `flags` bit: poison-fill freed pages.
 pub const KVSAN_FLAG_POISON: u32 = 1;
 /// Verdict code: go on.
@@ -168,6 +187,82 @@ pub struct KvsanManifest {
     pub checksum: u64,
 }
 
+/// Where a pool's kernel shadow lives ([`crate::kernel_shadow`]): the
+/// library's page records, written bits and kernel check counters, which an
+/// engine's kernels read (and its store kernels update) in place.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvsanKernelShadow {
+    /// `size_of::<KvsanKernelShadow>()` as the library was built.
+    pub size: u32,
+    /// [`crate::kernel_shadow::KERNEL_SHADOW_LAYOUT`].
+    pub layout_version: u32,
+    /// Pages in the pool.
+    pub pages: u32,
+    /// Token slots per page.
+    pub page_slots: u32,
+    /// Layers.
+    pub layers: u32,
+    /// Bytes of one page record (32).
+    pub record_size: u32,
+    /// Bit words per page: `ceil(layers × page_slots / 64)`.
+    pub stride_words: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// `pages` records of `record_size` bytes.
+    pub records: *const c_void,
+    /// `pages × stride_words` u64 words; bit `layer × page_slots + slot` of
+    /// a page's words is set when the owner wrote that slot of that layer.
+    pub bits: *const u64,
+    /// Two u64 counters: pages read-checked, stores checked.
+    pub counters: *mut u64,
+}
+
+/// A kernel access the fast path did not pass ([`crate::KernelAccess`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvsanKernelAccess {
+    /// 0 read, 1 store, 2 poison reached attention output.
+    pub op: u32,
+    /// The layer.
+    pub layer: u32,
+    /// The `PageRef` the kernel used.
+    pub page: KvsanPageRef,
+    /// Read: `0..n`; store, poison: `s..s + 1`.
+    pub slots: KvsanRange,
+    /// Read, poison: the block-table entry; store: the token position.
+    pub entry: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+impl KvsanKernelAccess {
+    /// The C view of `a`.
+    #[must_use]
+    pub fn borrow(a: &KernelAccess) -> KvsanKernelAccess {
+        KvsanKernelAccess {
+            op: a.op as u32,
+            layer: a.layer,
+            page: a.page.into(),
+            slots: a.slots.clone().into(),
+            entry: a.entry,
+            reserved: 0,
+        }
+    }
+
+    /// The Rust access; `None` for an unknown op code.
+    #[must_use]
+    pub fn to_access(&self) -> Option<KernelAccess> {
+        Some(KernelAccess {
+            op: AccessOp::from_code(self.op)?,
+            page: self.page.into(),
+            entry: self.entry,
+            layer: self.layer,
+            slots: self.slots.into(),
+        })
+    }
+}
+
 /// What every hook returns.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -234,6 +329,19 @@ pub type CommitFn = unsafe extern "C" fn(
     committed_tokens: u64,
 ) -> KvsanVerdict;
 
+/// `kernel_shadow`: code 0 and `*out` filled, or a refusal (the pool is
+/// unknown).
+pub type KernelShadowFn =
+    unsafe extern "C" fn(ctx: *mut c_void, pool: u32, out: *mut KvsanKernelShadow) -> KvsanVerdict;
+/// `kernel_refusal`.
+pub type KernelRefusalFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    access: *const KvsanKernelAccess,
+    step: u64,
+) -> KvsanVerdict;
+
 /// The versioned hook table (layout in the module documentation). A null
 /// function pointer makes the table invalid.
 #[repr(C)]
@@ -269,7 +377,14 @@ pub struct KvsanHookTable {
     pub transfer_recv: Option<TransferFn>,
     /// `transfer_commit`: see the module documentation.
     pub transfer_commit: Option<CommitFn>,
+    /// `kernel_shadow` (version 1.1): see the module documentation.
+    pub kernel_shadow: Option<KernelShadowFn>,
+    /// `kernel_refusal` (version 1.1): see the module documentation.
+    pub kernel_refusal: Option<KernelRefusalFn>,
 }
+
+/// Size of a version 1.0 table (without the kernel hooks).
+pub const HOOK_TABLE_V1_0_SIZE: usize = std::mem::offset_of!(KvsanHookTable, kernel_shadow);
 
 /// The getter's type.
 pub type HookTableGetter = unsafe extern "C" fn() -> *const KvsanHookTable;

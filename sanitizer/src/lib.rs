@@ -10,10 +10,12 @@
 //!
 //! | module | what lives there |
 //! | --- | --- |
+//! | `block_table` | `BlockTable`: a request's pages, and which pages and slots hold tokens `a..b` |
 //! | `abi` | the C ABI: `#[repr(C)]` hook table, page refs, manifests, verdicts, status codes |
 //! | `ids` | pool, page, generation, request, tenant, owner ids |
 //! | `geometry` | `PoolGeometry`, `NodeRole` |
 //! | `shadow` | per-page state word, owner, written bitmap; lock-free transitions |
+//! | `kernel_shadow` | the shadow as the KV kernels check it in place: fast read and store checks, counters, the C description |
 //! | `pool` | one registered pool: records, bitmaps, history, sharers, quarantine |
 //! | `history` | per-page origin ring |
 //! | `stats` | sharded counters of the checks performed |
@@ -27,10 +29,12 @@
 #![warn(missing_docs)]
 
 pub mod abi;
+pub mod block_table;
 pub mod error;
 pub mod geometry;
 pub mod history;
 pub mod ids;
+pub mod kernel_shadow;
 pub mod lifecycle;
 pub mod options;
 mod pool;
@@ -43,10 +47,12 @@ pub mod sync;
 pub mod transfer;
 pub mod violation;
 
+pub use block_table::{BlockTable, Span};
 pub use error::SanitizerError;
 pub use geometry::{NodeRole, PoolGeometry};
 pub use history::{EventKind, HistoryEvent};
 pub use ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId, TenantId};
+pub use kernel_shadow::{AccessOp, Check, KernelAccess, KernelShadow};
 pub use lifecycle::{RequestEvent, RequestState, Transition};
 pub use options::{OnViolation, Options, ReportFormat};
 pub use report::{PageReport, Report, ReportBuffer};

@@ -1,6 +1,6 @@
 //! A registered pool's shadow: one record, `stride` bitmap words and a
-//! history ring per page, the sharer table of the prefix cache, and the
-//! quarantine FIFO.
+//! history ring per page, the kernels' check counters, the sharer table of
+//! the prefix cache, and the quarantine FIFO.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -8,8 +8,9 @@ use parking_lot::Mutex;
 
 use crate::error::SanitizerError;
 use crate::geometry::PoolGeometry;
-use crate::history::{Event, PageHistory};
+use crate::history::{Event, EventKind, PageHistory};
 use crate::ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId};
+use crate::kernel_shadow::{KernelCounters, KernelShadow};
 use crate::shadow::{BitLayout, FLAG_SHARED, PageShadow, PageView, StateWord};
 use crate::sync::AtomicU64;
 
@@ -18,9 +19,9 @@ pub(crate) struct ShadowPool {
     pub(crate) geometry: PoolGeometry,
     pub(crate) layout: BitLayout,
     records: Box<[PageShadow]>,
-    complete: Box<[AtomicU64]>,
-    slots: Box<[AtomicU64]>,
+    bits: Box<[AtomicU64]>,
     history: Box<[PageHistory]>,
+    counters: KernelCounters,
     /// Read-only sharers per page: (sharer, references held).
     sharers: Mutex<HashMap<u32, Vec<(Owner, u32)>>>,
     quarantine: Mutex<VecDeque<(PageId, Generation)>>,
@@ -40,15 +41,13 @@ impl ShadowPool {
             id,
             layout,
             records: (0..pages).map(|_| PageShadow::new()).collect(),
-            complete: (0..pages * layout.complete_words)
-                .map(|_| AtomicU64::new(0))
-                .collect(),
-            slots: (0..pages * (layout.stride - layout.complete_words))
+            bits: (0..pages * layout.stride)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             history: (0..pages)
                 .map(|_| PageHistory::new(history_depth))
                 .collect(),
+            counters: KernelCounters::default(),
             sharers: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(VecDeque::new()),
             quarantine_cap: quarantine_pages as usize,
@@ -69,10 +68,7 @@ impl ShadowPool {
         match self.records.get(i) {
             Some(rec) => Ok(PageView {
                 rec,
-                complete: &self.complete
-                    [i * self.layout.complete_words..(i + 1) * self.layout.complete_words],
-                slots: &self.slots
-                    [i * self.layout.slot_words()..(i + 1) * self.layout.slot_words()],
+                bits: &self.bits[i * self.layout.stride..(i + 1) * self.layout.stride],
                 layout: &self.layout,
             }),
             None => Err(SanitizerError::PageOutOfRange {
@@ -83,15 +79,43 @@ impl ShadowPool {
         }
     }
 
-    /// [`PageShadow::read_fast`] for pools whose pages have at most 64 slots
-    /// (one complete word per page); `false` if out of range.
-    #[inline(always)]
-    pub(crate) fn read_fast(&self, page: PageRef, who: RequestId, slot_mask: u64) -> bool {
-        let i = page.page.0 as usize;
-        match (self.records.get(i), self.complete.get(i)) {
-            (Some(rec), Some(complete)) => rec.read_fast(page.generation, who, complete, slot_mask),
-            _ => false,
-        }
+    /// The kernels' view of this pool.
+    pub(crate) fn kernel_shadow(&self) -> KernelShadow<'_> {
+        KernelShadow::new(&self.records, &self.bits, self.layout, &self.counters)
+    }
+
+    /// Checks the kernels counted: (pages read-checked, stores checked).
+    pub(crate) fn kernel_checks(&self) -> (u64, u64) {
+        (
+            self.counters
+                .read_pages
+                .load(crate::sync::Ordering::Relaxed),
+            self.counters.stores.load(crate::sync::Ordering::Relaxed),
+        )
+    }
+
+    /// Logs the generation's first kernel write, if one is pending, as a
+    /// `write` event of the page's owner (kernels only note its step; the
+    /// history is written here, off their path). Called before the events
+    /// that follow a write in a page's life (send, free) and before a report.
+    pub(crate) fn flush_kernel_write(&self, page: PageId) {
+        let Ok(view) = self.page(page) else {
+            return;
+        };
+        let Some(step) = view.rec.take_first_kernel_write() else {
+            return;
+        };
+        let slots = view.written_span().map(|r| (r.start, r.end));
+        self.log(
+            page,
+            Event::new(
+                EventKind::Write,
+                view.rec.owner(),
+                view.rec.load().generation(),
+                Some(step),
+                slots,
+            ),
+        );
     }
 
     /// Pages are checked in range before this is called.

@@ -24,13 +24,14 @@ use crate::error::SanitizerError;
 use crate::geometry::PoolGeometry;
 use crate::history::{Event, EventKind};
 use crate::ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId};
+use crate::kernel_shadow::{AccessOp, KernelAccess, KernelShadow};
 use crate::lifecycle::{Lifecycle, RequestEvent, RequestRecord, RequestState, Transition};
 use crate::options::{OnViolation, Options, ReportFormat};
 use crate::pool::ShadowPool;
 use crate::report::{PageReport, Report, Sink, exit_process};
 use crate::shadow::{
     AllocOutcome, FLAG_OWNER_RELEASED, FLAG_SHARED, FreeOutcome, PageState, PageView, ReadCheck,
-    StateWord, range_mask,
+    StateWord,
 };
 use crate::stats::{CheckCounters, Checks};
 use crate::transfer::{Manifest, pages_of};
@@ -478,6 +479,7 @@ impl Sanitizer {
                 }
             },
         };
+        shadow.flush_kernel_write(page.page);
         shadow.log(
             page.page,
             Event::new(EventKind::Free, owner, page.generation, Some(step), None),
@@ -668,36 +670,41 @@ impl Sanitizer {
                     )),
             ));
         }
-        let fast = shadow.layout.complete_words == 1
-            && layers.start == 0
-            && layers.end == shadow.geometry.layers;
         for (i, page) in block_table.iter().enumerate().take(tokens.div_ceil(ps)) {
             let needed = (tokens - i * ps).min(ps) as u32;
-            if fast && shadow.read_fast(*page, owner.request, range_mask(0, needed)) {
-                continue;
-            }
-            let view = shadow.page(page.page)?;
-            match view.check_read(owner.request, page.generation, 0..needed, &layers) {
-                ReadCheck::Ok => {}
-                other => {
-                    if let Some(verdict) = self.read_slow(
-                        shadow,
-                        view,
-                        other,
-                        owner,
-                        *page,
-                        i,
-                        0..needed,
-                        &layers,
-                        Some(step),
-                        "reading",
-                    ) {
-                        return Ok(verdict);
-                    }
-                }
+            if let Some(verdict) =
+                self.read_page(shadow, owner, i, *page, 0..needed, &layers, Some(step))?
+            {
+                return Ok(verdict);
             }
         }
         Ok(Verdict::Continue)
+    }
+
+    /// The read check of one page, `slots` of `layers`, by `owner` through
+    /// block-table entry `index`: `None` when legal (owner, or sharer with
+    /// every slot written), else the verdict of the violation reported.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn read_page(
+        &self,
+        shadow: &ShadowPool,
+        owner: Owner,
+        index: usize,
+        page: PageRef,
+        slots: Range<u32>,
+        layers: &Range<u32>,
+        step: Option<u64>,
+    ) -> Result<Option<Verdict>, SanitizerError> {
+        let view = shadow.page(page.page)?;
+        Ok(
+            match view.check_read(owner.request, page.generation, slots.clone(), layers) {
+                ReadCheck::Ok => None,
+                other => self.read_slow(
+                    shadow, view, other, owner, page, index, slots, layers, step, "reading",
+                ),
+            },
+        )
     }
 
     /// A non-Ok read check: a sharer's legal read, or a violation.
@@ -785,6 +792,9 @@ impl Sanitizer {
         for (i, slots) in &split {
             let page = manifest.src_pages[*i];
             let view = shadow.page(page.page)?;
+            if view.rec.load().generation() == page.generation {
+                shadow.flush_kernel_write(page.page);
+            }
             let check = match view.check_read(
                 owner.request,
                 page.generation,
@@ -1020,6 +1030,109 @@ impl Sanitizer {
         ))
     }
 
+    // ------------------------------------------------------------ kernels
+
+    /// The kernels' view of pool `pool`'s shadow: the records and written
+    /// bits the store and attention kernels check in place
+    /// ([`crate::kernel_shadow`]).
+    ///
+    /// # Errors
+    /// Unknown pool.
+    pub fn kernel_shadow(&self, pool: PoolId) -> Result<KernelShadow<'_>, SanitizerError> {
+        Ok(self.pool(pool)?.kernel_shadow())
+    }
+
+    /// The cold path of a kernel access the fast path did not pass: checks
+    /// it again against the whole shadow and reports it. `who` is the owner
+    /// of the batch row that made the access; `access` is what the kernel
+    /// was handed (the `PageRef`, the entry or position, the layer, the
+    /// slots).
+    ///
+    /// - a read is checked as [`Sanitizer::read`] checks a page, for one
+    ///   layer: legal for the holding owner with the slots written, and for
+    ///   a sharer of a shared page with the slots written (then
+    ///   [`Verdict::Continue`] and nothing is reported);
+    /// - a store is checked (and, if legal, its slot marked written) as
+    ///   [`Sanitizer::write`] checks a write of one slot;
+    /// - poison that reached attention output through the accessed slot is
+    ///   always `poison-read`: the shadow said the slot was written, the
+    ///   memory held a freed page's fill.
+    ///
+    /// # Errors
+    /// Unknown pool; page, slot or layer out of range.
+    pub fn kernel_refusal(
+        &self,
+        pool: PoolId,
+        who: Owner,
+        access: &KernelAccess,
+        step: u64,
+    ) -> Result<Verdict, SanitizerError> {
+        let shadow = self.pool(pool)?;
+        let layers = access.layer..access.layer.saturating_add(1);
+        self.check_layers(shadow, &layers)?;
+        check_range(&access.slots, shadow.geometry.page_slots, || {
+            SanitizerError::SlotOutOfRange {
+                pool: pool.0,
+                start: access.slots.start,
+                end: access.slots.end,
+                page_slots: shadow.geometry.page_slots,
+            }
+        })?;
+        let view = shadow.page(access.page.page)?;
+        match access.op {
+            AccessOp::Store => {
+                self.write(pool, who, access.page, access.slots.clone(), layers, step)
+            }
+            AccessOp::Read => {
+                if let Some(state) = self.lifecycle.state(who.request)
+                    && state.is_terminal()
+                {
+                    return Ok(self.violation(
+                        Finding::new(ViolationKind::TerminalRequestActivity, who, "reading")
+                            .at(pool, access.page)
+                            .step(Some(step))
+                            .detail(format!(
+                                "{} request's attention reads layer {} of block-table entry {}",
+                                with_article(state.name()),
+                                access.layer,
+                                access.entry
+                            )),
+                    ));
+                }
+                Ok(self
+                    .read_page(
+                        shadow,
+                        who,
+                        access.entry as usize,
+                        access.page,
+                        access.slots.clone(),
+                        &layers,
+                        Some(step),
+                    )?
+                    .unwrap_or(Verdict::Continue))
+            }
+            AccessOp::Poison => {
+                let slot = access.slots.start;
+                let token = u64::from(access.entry) * u64::from(shadow.geometry.page_slots)
+                    + u64::from(slot);
+                let word = view.rec.load();
+                Ok(self.violation(
+                    Finding::new(ViolationKind::PoisonRead, who, "reading")
+                        .at(pool, access.page)
+                        .slot(Some(slot))
+                        .step(Some(step))
+                        .detail(format!(
+                            "attention output of layer {} turned NaN: slot {slot} (token {token}) holds the poison of a freed page; the shadow has it as written ({} of {} layers) in gen {}",
+                            access.layer,
+                            view.written_layers(slot, &(0..shadow.geometry.layers)),
+                            shadow.geometry.layers,
+                            word.generation().0
+                        )),
+                ))
+            }
+        }
+    }
+
     // ------------------------------------------------------------ queries
 
     /// A page's state, generation and owner now.
@@ -1066,7 +1179,13 @@ impl Sanitizer {
     /// are found valid, whatever the check then finds).
     #[must_use]
     pub fn checks(&self) -> Checks {
-        self.checks.snapshot()
+        let mut checks = self.checks.snapshot();
+        for pool in self.pools.iter().filter_map(OnceLock::get) {
+            let (reads, stores) = pool.kernel_checks();
+            checks.kernel_read_pages += reads;
+            checks.kernel_stores += stores;
+        }
+        checks
     }
 
     /// `kvsan: N violations (stale-read: 2, …); M checks` — M is
@@ -1076,7 +1195,7 @@ impl Sanitizer {
         format!(
             "{}; {} checks",
             self.counters.summary(),
-            self.checks.snapshot().total()
+            self.checks().total()
         )
     }
 
@@ -1172,6 +1291,7 @@ impl Sanitizer {
                 }
                 None => summary.push_str(" which was never allocated"),
             }
+            shadow.flush_kernel_write(page.page);
             history = shadow.history(page.page);
             let layers = shadow.geometry.layers;
             let slot_map = (0..shadow.geometry.page_slots)

@@ -7,32 +7,36 @@
 //! racing `alloc`s (or `free`s) of one page cannot both succeed.
 //!
 //! ```text
-//!  state word (AtomicU64)
+//!  record (PageShadow, 32 bytes, #[repr(C)])
+//!  +0  state word (AtomicU64)
 //!   63          39 38  37  36  35 34  32 31                    0
 //!  +--------------+---+---+---+---+------+-----------------------+
 //!  |   (unused)   | L | S | R | T | state|      generation       |
 //!  +--------------+---+---+---+---+------+-----------------------+
 //!   T: owner is a terminal request   R: owner released its reference
 //!   S: shared read-only (sharers in the pool's sharer table)
-//!   L: first write of this generation already logged in the history
+//!   L: first write of this generation already seen
+//!  +8  owner request (AtomicU64)   +16 owner tenant (AtomicU32)   +20 zero
+//!  +24 first kernel write of the generation: step + 1, 0 if none (AtomicU64)
 //!
-//!  written bitmap, two arrays of AtomicU64 per pool:
+//!  written bitmap, layer-major and packed: bit `layer × page_slots + slot`
+//!  of a page's `stride = ceil(layers × page_slots / 64)` AtomicU64 words,
+//!  pages back to back (16-slot pages: four layers per word):
 //!
-//!  complete words (complete_words per page, pages back to back)
-//!  +------------------+------------------+-----
-//!  | page 0           | page 1           | ...     bit s: slot s has
-//!  +------------------+------------------+-----    every layer written
-//!
-//!  slot words (page_slots × words_per_slot per page)
-//!  +-----------------+-----------------+-----+-----------------+-----
-//!  | p0 slot 0       | p0 slot 1       | ... | p1 slot 0       | ...
-//!  | bit l: layer l  |                 |     |                 |
-//!  +-----------------+-----------------+-----+-----------------+-----
+//!  page p:  word 0                                 word 1
+//!          +---------+---------+---------+---------+---------+----
+//!          | layer 0 | layer 1 | layer 2 | layer 3 | layer 4 | ...
+//!          | s0..s15 | s0..s15 | s0..s15 | s0..s15 | s0..s15 |
+//!          +---------+---------+---------+---------+---------+----
 //! ```
 //!
-//! The complete words are the read fast path: a read of all layers checks
-//! one word per 64 slots instead of one per slot, and a block table's
-//! complete words sit close together in memory.
+//! Layer-major because attention reads one layer at a time: "are slots
+//! `0..n` of this page written for layer `l`?" is one load and a mask (two
+//! when the layer's bits straddle a word), which is what a kernel can afford
+//! per page it touches ([`crate::kernel_shadow`]), and a KV store of one
+//! token sets one bit. Packed, it costs `layers × page_slots` bits a page
+//! and nothing more (60 bytes for SmolLM2's 30 layers × 16 slots). A check
+//! of every layer (a transfer, a host-side read) walks the page's words.
 //!
 //! Readers are optimistic, seqlock style: they load the state word, check
 //! owner and bits, fence, and re-load the word; if it moved, they check again.
@@ -158,13 +162,17 @@ impl StateWord {
     }
 }
 
-/// The per-page shadow record (24 bytes; bitmap and history live elsewhere).
+/// The per-page shadow record (32 bytes, layout in the module doc; bitmap
+/// and history live elsewhere). Kernels read it in place
+/// ([`crate::kernel_shadow`]), so its layout is part of the C ABI.
 #[repr(C)]
 #[derive(Debug)]
 pub struct PageShadow {
     word: AtomicU64,
     owner_request: AtomicU64,
     owner_tenant: AtomicU32,
+    reserved: AtomicU32,
+    first_write_step: AtomicU64,
 }
 
 impl Default for PageShadow {
@@ -181,6 +189,8 @@ impl PageShadow {
             word: AtomicU64::new(StateWord::new(Generation(0), PageState::Free, 0).0),
             owner_request: AtomicU64::new(0),
             owner_tenant: AtomicU32::new(0),
+            reserved: AtomicU32::new(0),
+            first_write_step: AtomicU64::new(0),
         }
     }
 
@@ -200,29 +210,47 @@ impl PageShadow {
         }
     }
 
-    /// The read fast path: `true` if the page is Owned at `generation`, held
-    /// by `who` (not released) and every slot in `slot_mask` has every layer
-    /// written (`complete` is the page's complete word). `false` says only
-    /// "take the full check", which finds what is wrong, if anything.
-    #[inline(always)]
+    /// The owner's request id alone (one load; kernels compare it with a
+    /// reader's or writer's).
     #[must_use]
-    pub fn read_fast(
-        &self,
-        generation: Generation,
-        who: RequestId,
-        complete: &AtomicU64,
-        slot_mask: u64,
-    ) -> bool {
-        let word = self.word.load(Ordering::Acquire);
-        let expect = StateWord::new(generation, PageState::Owned, 0).0;
-        if word & (GEN_MASK | STATE_MASK | FLAG_OWNER_RELEASED) != expect
-            || self.owner_request.load(Ordering::Relaxed) != who.0
-            || complete.load(Ordering::Relaxed) & slot_mask != slot_mask
-        {
-            return false;
+    #[inline]
+    pub fn owner_request(&self) -> RequestId {
+        RequestId(self.owner_request.load(Ordering::Relaxed))
+    }
+
+    /// The step of the generation's first write by a kernel, taken (reset to
+    /// none) so that it is logged once: `None` if there was none since the
+    /// last take or allocation.
+    pub fn take_first_kernel_write(&self) -> Option<u64> {
+        if self.first_write_step.load(Ordering::Relaxed) == 0 {
+            return None;
         }
-        fence(Ordering::Acquire);
-        self.word.load(Ordering::Relaxed) == word
+        match self.first_write_step.swap(0, Ordering::Relaxed) {
+            0 => None,
+            s => Some(s - 1),
+        }
+    }
+
+    /// Marks the generation written, once: returns `true` for the call
+    /// that set [`FLAG_WRITE_LOGGED`] (the generation's first write) if the
+    /// page is still at `generation`.
+    #[inline]
+    pub(crate) fn mark_written(&self, generation: Generation) -> bool {
+        let prev = StateWord(self.word.fetch_or(FLAG_WRITE_LOGGED, Ordering::AcqRel));
+        !prev.has(FLAG_WRITE_LOGGED) && prev.generation() == generation
+    }
+
+    /// A kernel's first write of the generation happened at `step` (logged
+    /// later as a history event, off the kernel's path).
+    #[inline]
+    pub(crate) fn note_kernel_write(&self, step: u64) {
+        self.first_write_step
+            .store(step.saturating_add(1), Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn word_now(&self) -> u64 {
+        self.word.load(Ordering::Relaxed)
     }
 
     fn cas(&self, current: StateWord, new: StateWord) -> Result<(), StateWord> {
@@ -233,7 +261,7 @@ impl PageShadow {
     }
 
     #[inline]
-    fn held_by(&self, word: StateWord, who: RequestId) -> bool {
+    pub(crate) fn held_by(&self, word: StateWord, who: RequestId) -> bool {
         !word.has(FLAG_OWNER_RELEASED) && self.owner_request.load(Ordering::Relaxed) == who.0
     }
 }
@@ -243,16 +271,10 @@ impl PageShadow {
 pub struct BitLayout {
     /// Slots per page.
     pub page_slots: u32,
-    /// Layers per slot.
+    /// Layers per page.
     pub layers: u32,
-    /// `ceil(layers / 64)`.
-    pub words_per_slot: usize,
-    /// `ceil(page_slots / 64)`.
-    pub complete_words: usize,
-    /// Words per page: `complete_words + page_slots × words_per_slot`.
+    /// Words per page: `ceil(layers × page_slots / 64)`.
     pub stride: usize,
-    /// With `words_per_slot == 1`: the mask of every layer.
-    pub full_mask: u64,
 }
 
 /// Bits `lo..hi` of a word.
@@ -272,35 +294,34 @@ impl BitLayout {
     /// The layout for `page_slots × layers`.
     #[must_use]
     pub fn new(page_slots: u32, layers: u32) -> BitLayout {
-        let words_per_slot = layers.div_ceil(64) as usize;
-        let complete_words = page_slots.div_ceil(64) as usize;
         BitLayout {
             page_slots,
             layers,
-            words_per_slot,
-            complete_words,
-            stride: complete_words + page_slots as usize * words_per_slot,
-            full_mask: range_mask(0, layers.min(64)),
+            stride: (u64::from(layers) * u64::from(page_slots)).div_ceil(64) as usize,
         }
     }
 
-    /// Mask of `layers` inside word `w` of a slot.
-    #[inline]
-    fn layer_mask(&self, w: usize, layers: &Range<u32>) -> u64 {
-        let base = 64 * w as u32;
-        let clamp = |x: u32| x.clamp(base, base + 64) - base;
-        range_mask(clamp(layers.start), clamp(layers.end))
-    }
-
-    /// Slot words per page: `page_slots × words_per_slot`.
+    /// The page-relative bit of `slot` in `layer`.
     #[inline]
     #[must_use]
-    pub fn slot_words(&self) -> usize {
-        self.stride - self.complete_words
+    pub fn bit(&self, layer: u32, slot: u32) -> u64 {
+        u64::from(layer) * u64::from(self.page_slots) + u64::from(slot)
     }
 
-    fn all_layers(&self) -> Range<u32> {
-        0..self.layers
+    /// The words holding `slots` of `layer`: `(word index in the page, mask)`
+    /// for each word the range touches (one, or two when it straddles).
+    #[inline]
+    pub fn words(&self, layer: u32, slots: Range<u32>) -> impl Iterator<Item = (usize, u64)> {
+        let lo = self.bit(layer, slots.start);
+        let hi = self.bit(layer, slots.end.max(slots.start));
+        (lo / 64..hi.div_ceil(64)).map(move |w| {
+            let base = 64 * w;
+            let mask = range_mask(
+                (lo.clamp(base, base + 64) - base) as u32,
+                (hi.clamp(base, base + 64) - base) as u32,
+            );
+            (w as usize, mask)
+        })
     }
 }
 
@@ -309,10 +330,8 @@ impl BitLayout {
 pub struct PageView<'a> {
     /// The record.
     pub rec: &'a PageShadow,
-    /// This page's `complete_words` words: bit `s` set when slot `s` has every layer.
-    pub complete: &'a [AtomicU64],
-    /// This page's `page_slots × words_per_slot` per-slot layer words.
-    pub slots: &'a [AtomicU64],
+    /// This page's `stride` written words (layer-major, packed).
+    pub bits: &'a [AtomicU64],
     /// The pool's layout.
     pub layout: &'a BitLayout,
 }
@@ -362,12 +381,6 @@ pub enum ReadCheck {
 }
 
 impl PageView<'_> {
-    #[inline]
-    fn slot_words(&self, slot: u32) -> &[AtomicU64] {
-        let start = slot as usize * self.layout.words_per_slot;
-        &self.slots[start..start + self.layout.words_per_slot]
-    }
-
     /// Takes a Free or Quarantined page for `owner` at the next generation,
     /// clearing its bitmap; `terminal` marks an owner that is already terminal.
     pub fn alloc(&self, owner: Owner, terminal: bool) -> AllocOutcome {
@@ -395,7 +408,8 @@ impl PageView<'_> {
         self.rec
             .owner_tenant
             .store(owner.tenant.0, Ordering::Relaxed);
-        for w in self.complete.iter().chain(self.slots) {
+        self.rec.first_write_step.store(0, Ordering::Relaxed);
+        for w in self.bits {
             w.store(0, Ordering::Relaxed);
         }
         let flags = if terminal { FLAG_TERMINAL_OWNER } else { 0 };
@@ -508,49 +522,17 @@ impl PageView<'_> {
         }
     }
 
+    /// Sets the written bits of `slots × layers`.
     #[inline]
-    fn set_bits(&self, slots: Range<u32>, layers: &Range<u32>) {
-        let l = self.layout;
-        if l.words_per_slot == 1 {
-            // Up to 64 layers: one word per slot.
-            let mask = range_mask(layers.start, layers.end);
-            for slot in slots {
-                let word = &self.slots[slot as usize];
-                let prev = word.load(Ordering::Relaxed);
-                if prev & mask == mask {
-                    continue;
+    pub(crate) fn set_bits(&self, slots: Range<u32>, layers: &Range<u32>) {
+        for layer in layers.clone() {
+            for (w, mask) in self.layout.words(layer, slots.clone()) {
+                let word = &self.bits[w];
+                // Bits only grow within a generation: skip the locked
+                // instruction when they are already there.
+                if word.load(Ordering::Relaxed) & mask != mask {
+                    word.fetch_or(mask, Ordering::Relaxed);
                 }
-                let prev = if mask == l.full_mask {
-                    // Bits only grow within a generation and this is their
-                    // maximum: a plain store cannot lose a racing writer's bits.
-                    word.store(mask, Ordering::Relaxed);
-                    prev
-                } else {
-                    word.fetch_or(mask, Ordering::Relaxed)
-                };
-                if prev | mask == l.full_mask {
-                    self.complete[slot as usize / 64].fetch_or(1 << (slot % 64), Ordering::Relaxed);
-                }
-            }
-            return;
-        }
-        for slot in slots {
-            let words = self.slot_words(slot);
-            let mut complete = true;
-            let mut newly = false;
-            for (w, word) in words.iter().enumerate() {
-                let mask = l.layer_mask(w, layers);
-                let full = l.layer_mask(w, &l.all_layers());
-                let prev = if mask == 0 {
-                    word.load(Ordering::Relaxed)
-                } else {
-                    word.fetch_or(mask, Ordering::Relaxed)
-                };
-                complete &= (prev | mask) == full;
-                newly |= prev & mask != mask;
-            }
-            if complete && newly {
-                self.complete[slot as usize / 64].fetch_or(1 << (slot % 64), Ordering::Relaxed);
             }
         }
     }
@@ -584,58 +566,55 @@ impl PageView<'_> {
         if cur.has(FLAG_WRITE_LOGGED) {
             return Ok(false);
         }
-        let prev = StateWord(self.rec.word.fetch_or(FLAG_WRITE_LOGGED, Ordering::AcqRel));
-        Ok(!prev.has(FLAG_WRITE_LOGGED) && prev.generation() == generation)
+        Ok(self.rec.mark_written(generation))
     }
 
     /// The first of `slots` not written for every layer in `layers`.
     #[must_use]
     #[inline]
     pub fn first_unwritten(&self, slots: Range<u32>, layers: &Range<u32>) -> Option<u32> {
-        let l = self.layout;
-        if slots.is_empty() || layers.is_empty() {
+        if slots.is_empty() {
             return None;
         }
-        if layers.start == 0 && layers.end == l.layers {
-            if l.complete_words == 1 {
-                // Fast path: one word says which slots have every layer.
-                let mask = range_mask(slots.start, slots.end);
-                let have = self.complete[0].load(Ordering::Relaxed);
-                return (have & mask != mask).then(|| (!have & mask).trailing_zeros());
-            }
-            // One complete word covers 64 slots.
-            let mut missing = None;
-            for w in (slots.start / 64)..slots.end.div_ceil(64) {
-                let mask = range_mask(
-                    slots.start.clamp(64 * w, 64 * w + 64) - 64 * w,
-                    slots.end.clamp(64 * w, 64 * w + 64) - 64 * w,
-                );
-                let have = self.complete[w as usize].load(Ordering::Relaxed);
-                if have & mask != mask {
-                    missing = Some(64 * w + (!have & mask).trailing_zeros());
-                    break;
-                }
-            }
-            return missing;
-        }
-        slots.into_iter().find(|&slot| {
-            self.slot_words(slot).iter().enumerate().any(|(w, word)| {
-                let mask = l.layer_mask(w, layers);
-                word.load(Ordering::Relaxed) & mask != mask
+        // Each layer's first missing slot; the lowest of them.
+        layers
+            .clone()
+            .filter_map(|layer| {
+                self.layout
+                    .words(layer, slots.clone())
+                    .find_map(|(w, mask)| {
+                        let missing = !self.bits[w].load(Ordering::Relaxed) & mask;
+                        (missing != 0).then(|| {
+                            let bit = 64 * w as u64 + u64::from(missing.trailing_zeros());
+                            (bit - self.layout.bit(layer, 0)) as u32
+                        })
+                    })
             })
-        })
+            .min()
     }
 
     /// Layers of `slot` written, counted within `layers`.
     #[must_use]
     pub fn written_layers(&self, slot: u32, layers: &Range<u32>) -> u32 {
-        self.slot_words(slot)
-            .iter()
-            .enumerate()
-            .map(|(w, word)| {
-                (word.load(Ordering::Relaxed) & self.layout.layer_mask(w, layers)).count_ones()
+        layers
+            .clone()
+            .filter(|&layer| {
+                let bit = self.layout.bit(layer, slot);
+                self.bits[(bit / 64) as usize].load(Ordering::Relaxed) & (1 << (bit % 64)) != 0
             })
-            .sum()
+            .count() as u32
+    }
+
+    /// The slots written in any layer, as the range from the lowest to the
+    /// highest (for a history line), or `None` if none is.
+    #[must_use]
+    pub fn written_span(&self) -> Option<Range<u32>> {
+        let all = 0..self.layout.layers;
+        let slots = 0..self.layout.page_slots;
+        let any = |s: u32| self.written_layers(s, &all) > 0;
+        let lo = slots.clone().find(|&s| any(s))?;
+        let hi = slots.rev().find(|&s| any(s))?;
+        Some(lo..hi + 1)
     }
 
     /// The read check of one page through a `PageRef` at `generation`:
@@ -747,19 +726,14 @@ mod tests {
     }
 
     fn view<'a>(rec: &'a PageShadow, bits: &'a [AtomicU64], layout: &'a BitLayout) -> PageView<'a> {
-        let (complete, slots) = bits.split_at(layout.complete_words);
-        PageView {
-            rec,
-            complete,
-            slots,
-            layout,
-        }
+        PageView { rec, bits, layout }
     }
 
     #[test]
-    fn page_record_is_at_most_64_bytes() {
-        assert!(std::mem::size_of::<PageShadow>() <= 64);
-        assert_eq!(std::mem::size_of::<PageShadow>(), 24);
+    fn page_record_is_32_bytes_two_to_a_cache_line() {
+        assert_eq!(std::mem::size_of::<PageShadow>(), 32);
+        assert_eq!(std::mem::offset_of!(PageShadow, owner_request), 8);
+        assert_eq!(std::mem::offset_of!(PageShadow, first_write_step), 24);
     }
 
     #[test]
@@ -771,7 +745,7 @@ mod tests {
     }
 
     #[test]
-    fn complete_word_tracks_slots_with_every_layer_written() {
+    fn a_slot_counts_as_written_only_for_the_layers_written() {
         let layout = BitLayout::new(16, 30);
         let (rec, bits) = page(&layout);
         let view = view(&rec, &bits, &layout);
@@ -787,13 +761,14 @@ mod tests {
         assert_eq!(view.first_unwritten(0..3, &(0..30)), None);
         assert_eq!(view.first_unwritten(0..4, &(0..30)), Some(3));
         assert_eq!(view.written_layers(1, &(0..30)), 30);
+        assert_eq!(view.written_span(), Some(0..3));
     }
 
     #[test]
     fn layouts_wider_than_a_word_track_every_layer() {
         let layout = BitLayout::new(100, 130);
-        assert_eq!(layout.words_per_slot, 3);
-        assert_eq!(layout.complete_words, 2);
+        assert_eq!(layout.stride, 204);
+        assert_eq!(BitLayout::new(16, 30).stride, 8);
         let (rec, bits) = page(&layout);
         let view = view(&rec, &bits, &layout);
         let AllocOutcome::Allocated { generation } = view.alloc(Owner::new(1, 1), false) else {
@@ -808,5 +783,30 @@ mod tests {
             .unwrap();
         assert_eq!(view.first_unwritten(60..81, &(0..130)), Some(80));
         assert_eq!(view.first_unwritten(60..81, &(64..129)), None);
+        assert_eq!(view.written_layers(80, &(0..130)), 129);
+    }
+
+    #[test]
+    fn a_new_generation_starts_with_no_bits_and_no_kernel_write() {
+        let layout = BitLayout::new(16, 2);
+        let (rec, bits) = page(&layout);
+        let view = view(&rec, &bits, &layout);
+        let owner = Owner::new(1, 1);
+        let AllocOutcome::Allocated { generation } = view.alloc(owner, false) else {
+            panic!("fresh page must allocate");
+        };
+        view.write(RequestId(1), generation, 0..16, &(0..2))
+            .unwrap();
+        rec.note_kernel_write(41);
+        assert_eq!(
+            view.free_by_owner(generation, RequestId(1)),
+            FreeOutcome::Released
+        );
+        assert!(view.leave_quarantine(generation));
+        let AllocOutcome::Allocated { .. } = view.alloc(owner, false) else {
+            panic!("a free page must allocate");
+        };
+        assert_eq!(view.first_unwritten(0..16, &(0..2)), Some(0));
+        assert_eq!(rec.take_first_kernel_write(), None);
     }
 }

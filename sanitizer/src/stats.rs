@@ -38,14 +38,26 @@ pub struct Checks {
     pub allocs: u64,
     /// `free` calls.
     pub frees: u64,
+    /// Pages the attention kernels checked before reading them (per page,
+    /// layer and kernel task).
+    pub kernel_read_pages: u64,
+    /// Token-layer KV stores the store kernels checked.
+    pub kernel_stores: u64,
 }
 
 impl Checks {
-    /// All checks: pages read-checked, writes, transfers, allocations and
-    /// frees (the figure the summary line gives).
+    /// All checks: pages read-checked (by the `read` hook and by the
+    /// kernels), writes and kernel stores, transfers, allocations and frees
+    /// (the figure the summary line gives).
     #[must_use]
     pub fn total(&self) -> u64 {
-        self.read_pages + self.writes + self.transfers + self.allocs + self.frees
+        self.read_pages
+            + self.writes
+            + self.transfers
+            + self.allocs
+            + self.frees
+            + self.kernel_read_pages
+            + self.kernel_stores
     }
 }
 
@@ -191,6 +203,7 @@ mod tests {
                 transfers: n,
                 allocs: n,
                 frees: n,
+                ..Checks::default()
             }
         );
         assert_eq!(got.total(), 3000 * n + 1000 * n + 3 * n);

@@ -70,25 +70,5 @@ pub(crate) fn pages_of(
     tokens: Range<u64>,
     page_slots: u32,
 ) -> impl Iterator<Item = (usize, Range<u32>)> {
-    let ps = u64::from(page_slots);
-    let first_page = tokens.start / ps;
-    let end_page = tokens.end.div_ceil(ps);
-    (first_page..end_page).filter_map(move |p| {
-        let lo = tokens.start.max(p * ps) - p * ps;
-        let hi = tokens.end.min((p + 1) * ps) - p * ps;
-        (hi > lo).then_some((p as usize, lo as u32..hi as u32))
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn token_range_splits_over_pages_like_the_drawing() {
-        let split: Vec<_> = pages_of(20..38, 16).collect();
-        assert_eq!(split, vec![(1, 4..16), (2, 0..6)]);
-        assert_eq!(pages_of(0..0, 16).count(), 0);
-        assert_eq!(pages_of(0..16, 16).collect::<Vec<_>>(), vec![(0, 0..16)]);
-    }
+    crate::block_table::entry_slots(tokens, page_slots)
 }

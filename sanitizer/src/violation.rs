@@ -29,6 +29,7 @@ macro_rules! for_each_violation_kind {
             UnwrittenTransfer => "unwritten-transfer", "a sender ships slots it never wrote";
             PageLeak => "page-leak", "a request ends while it still holds pages";
             IllegalTransition => "illegal-transition", "a lifecycle event that is not a legal transition from the request's state";
+            PoisonRead => "poison-read", "the poison a freed page is filled with reached attention output, through a slot the shadow holds written";
         }
     };
 }

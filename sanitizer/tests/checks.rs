@@ -52,6 +52,7 @@ fn checks_are_counted_per_hook_with_the_pages_each_read_checks() {
             transfers: 3,
             allocs: 4,
             frees: 1,
+            ..Checks::default()
         }
     );
     assert_eq!(c.total(), 3 + 2 + 3 + 4 + 1);
@@ -70,4 +71,29 @@ fn a_hook_refused_as_misuse_is_not_counted() {
     );
     assert_eq!(f.san.checks().writes, 0);
     assert_eq!(f.san.checks().allocs, 1);
+}
+
+#[test]
+fn kernel_checks_are_counted_per_pool_and_in_the_summary() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 0, A, 1);
+    let shadow = f.san.kernel_shadow(f.decode).unwrap();
+    for layer in 0..LAYERS {
+        assert_eq!(
+            shadow.store(A.request, page, layer, 0, 2),
+            kvsan_sanitizer::Check::Ok
+        );
+    }
+    shadow.count(0, u64::from(LAYERS));
+    for layer in 0..LAYERS {
+        assert_eq!(
+            shadow.check_read(A.request, page, layer, 1),
+            kvsan_sanitizer::Check::Ok
+        );
+    }
+    shadow.count(u64::from(LAYERS), 0);
+    let c = f.san.checks();
+    assert_eq!(c.kernel_stores, u64::from(LAYERS));
+    assert_eq!(c.kernel_read_pages, u64::from(LAYERS));
+    assert_eq!(c.total(), 1 + 2 * u64::from(LAYERS));
 }

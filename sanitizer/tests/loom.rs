@@ -39,11 +39,9 @@ impl Page {
     }
 
     fn view(&self) -> PageView<'_> {
-        let (complete, slots) = self.bits.split_at(self.layout.complete_words);
         PageView {
             rec: &self.rec,
-            complete,
-            slots,
+            bits: &self.bits,
             layout: &self.layout,
         }
     }

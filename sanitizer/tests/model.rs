@@ -3,14 +3,21 @@
 //! `Vec<bool>` written maps, no atomics); every verdict and every page's
 //! state, generation, owner and sharing must agree after every step.
 //!
+//! The kernels' path runs against the same model: a kernel read (one page,
+//! one layer, slots `0..n`) and a kernel store (one slot of one layer) go
+//! through the in-place fast check ([`kvsan_sanitizer::KernelShadow`]) and,
+//! when it does not pass, the cold path ([`Sanitizer::kernel_refusal`]); the
+//! verdict must be the one the model gives a read or write of the same
+//! slots, which shows the kernel shadow's encoding exact.
+//!
 //! `PROPTEST_CASES` raises the number of sequences (default 3000).
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use kvsan_sanitizer::{
-    Manifest, NodeRole, Options, Owner, PageId, PageRef, PageState, PoolGeometry, PoolId,
-    RequestState, Sanitizer, Transition, ViolationKind as K,
+    AccessOp, Check, KernelAccess, Manifest, NodeRole, Options, Owner, PageId, PageRef, PageState,
+    PoolGeometry, PoolId, RequestState, Sanitizer, Transition, ViolationKind as K,
 };
 use proptest::prelude::*;
 
@@ -39,6 +46,10 @@ enum Op {
     Send(usize, u64, Vec<Ref>, u32, u32, Range<u32>),
     Recv(usize, u64, Vec<Ref>, u32, u32, Range<u32>),
     Commit(usize, u64, Vec<Ref>, u32),
+    /// Attention reads slots `0..n` of one page for one layer.
+    KernelRead(usize, u64, Ref, u32, u32),
+    /// A store kernel writes one slot of one layer.
+    KernelStore(usize, u64, Ref, u32, u32),
 }
 
 fn range(max: u32) -> impl Strategy<Value = Range<u32>> {
@@ -103,10 +114,14 @@ fn op() -> impl Strategy<Value = Op> {
                 let first = a.min(cap);
                 Op::Recv(p, r, t, first, b.min(cap - first), l)
             }),
-        2 => (pool, req, table(), 0..=3 * SLOTS).prop_map(|(p, r, t, n)| {
+        2 => (pool.clone(), req.clone(), table(), 0..=3 * SLOTS).prop_map(|(p, r, t, n)| {
             let n = n.min(t.len() as u32 * SLOTS);
             Op::Commit(p, r, t, n)
         }),
+        5 => (pool.clone(), req.clone(), page_ref(), 0..LAYERS, 1..=SLOTS)
+            .prop_map(|(p, r, x, l, n)| Op::KernelRead(p, r, x, l, n)),
+        5 => (pool, req, page_ref(), 0..LAYERS, 0..SLOTS)
+            .prop_map(|(p, r, x, l, s)| Op::KernelStore(p, r, x, l, s)),
     ]
 }
 
@@ -335,6 +350,23 @@ impl Model {
                 self.held(*r, 1);
                 None
             }
+            Op::KernelStore(pool, r, x, layer, slot) => self.apply(
+                &Op::Write(*pool, *r, x.clone(), *slot..slot + 1, *layer..layer + 1),
+                tags,
+            ),
+            Op::KernelRead(pool, r, _, layer, n) => {
+                if self.terminal(*r) {
+                    return Some(K::TerminalRequestActivity);
+                }
+                self.read_page(
+                    *pool,
+                    *r,
+                    tags[0],
+                    0..*n,
+                    &(*layer..layer + 1),
+                    K::StaleRead,
+                )
+            }
             Op::Write(pool, r, _, slots, layers) => {
                 let tag = tags[0];
                 let p = &mut self.pages[*pool][tag.page.0 as usize];
@@ -478,13 +510,59 @@ fn run(san: &Sanitizer, pools: &[PoolId], op: &Op, tags: &[PageRef]) -> Option<K
         Op::Commit(p, r, _, n) => san
             .transfer_commit(pools[*p], owner(*r), tags, *n as usize)
             .unwrap(),
+        Op::KernelRead(p, r, _, layer, n) => {
+            let shadow = san.kernel_shadow(pools[*p]).unwrap();
+            match shadow.check_read(owner(*r).request, tags[0], *layer, *n) {
+                Check::Ok => kvsan_sanitizer::Verdict::Continue,
+                _ => kernel_cold(san, pools[*p], *r, AccessOp::Read, tags[0], *layer, 0..*n),
+            }
+        }
+        Op::KernelStore(p, r, _, layer, slot) => {
+            let shadow = san.kernel_shadow(pools[*p]).unwrap();
+            match shadow.store(owner(*r).request, tags[0], *layer, *slot, 0) {
+                Check::Ok => kvsan_sanitizer::Verdict::Continue,
+                Check::Arbitrate => panic!("a store is never arbitrated"),
+                Check::Refused(_) => kernel_cold(
+                    san,
+                    pools[*p],
+                    *r,
+                    AccessOp::Store,
+                    tags[0],
+                    *layer,
+                    *slot..slot + 1,
+                ),
+            }
+        }
     };
     verdict.kind()
 }
 
+fn kernel_cold(
+    san: &Sanitizer,
+    pool: PoolId,
+    r: u64,
+    op: AccessOp,
+    page: PageRef,
+    layer: u32,
+    slots: Range<u32>,
+) -> kvsan_sanitizer::Verdict {
+    let access = KernelAccess {
+        op,
+        page,
+        entry: 0,
+        layer,
+        slots,
+    };
+    san.kernel_refusal(pool, owner(r), &access, 0).unwrap()
+}
+
 fn refs(op: &Op) -> Vec<Ref> {
     match op {
-        Op::Free(_, _, x) | Op::Share(_, _, x) | Op::Write(_, _, x, _, _) => vec![x.clone()],
+        Op::Free(_, _, x)
+        | Op::Share(_, _, x)
+        | Op::Write(_, _, x, _, _)
+        | Op::KernelRead(_, _, x, _, _)
+        | Op::KernelStore(_, _, x, _, _) => vec![x.clone()],
         Op::Read(_, _, t, _, _)
         | Op::Send(_, _, t, _, _, _)
         | Op::Recv(_, _, t, _, _, _)
@@ -503,7 +581,9 @@ fn pool_of(op: &Op) -> usize {
         | Op::Read(p, ..)
         | Op::Send(p, ..)
         | Op::Recv(p, ..)
-        | Op::Commit(p, ..) => *p,
+        | Op::Commit(p, ..)
+        | Op::KernelRead(p, ..)
+        | Op::KernelStore(p, ..) => *p,
     }
 }
 

@@ -559,3 +559,38 @@ fn every_kind_has_a_golden_report() {
         assert!(path.exists(), "missing golden report {}", path.display());
     }
 }
+
+// --------------------------------------------------------------- poison-read
+
+/// The engine found the poison fill in attention output and traced it to
+/// slot 5 of a page whose owner wrote every slot: the shadow and the memory
+/// disagree (something poisoned a page its owner still holds).
+#[test]
+fn poison_reaching_attention_output_through_a_written_slot_is_poison_read() {
+    let f = fixture_with("poison=1");
+    let page = written_page(&f);
+    let access = kvsan_sanitizer::KernelAccess {
+        op: kvsan_sanitizer::AccessOp::Poison,
+        page,
+        entry: 0,
+        layer: 3,
+        slots: 5..6,
+    };
+    let v = f.san.kernel_refusal(f.decode, A, &access, 9).unwrap();
+    assert_provoked(&f, v, ViolationKind::PoisonRead);
+}
+
+/// Its legal neighbour: the same read, with nothing poisoned, is a kernel
+/// read the shadow passes — no report (the engine only raises a poison
+/// finding when the output is NaN).
+#[test]
+fn a_kernel_read_of_written_slots_passes_without_a_report() {
+    let f = fixture_with("poison=1");
+    let page = written_page(&f);
+    let shadow = f.san.kernel_shadow(f.decode).unwrap();
+    assert_eq!(
+        shadow.check_read(A.request, page, 3, 6),
+        kvsan_sanitizer::Check::Ok
+    );
+    assert_clean(&f, Verdict::Continue);
+}

@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define KVSAN_ABI_VERSION_MAJOR 1
-#define KVSAN_ABI_VERSION_MINOR 0
+#define KVSAN_ABI_VERSION_MINOR 1
 #define KVSAN_ABI_VERSION ((uint32_t)((KVSAN_ABI_VERSION_MAJOR << 16) | KVSAN_ABI_VERSION_MINOR))
 
 /* Status codes. */
@@ -127,6 +127,54 @@ typedef struct KvsanManifest {
     uint64_t checksum;
 } KvsanManifest;
 
+/* Where a pool's kernel shadow lives (kvsan_kernel_shadow): the library's
+ * page records, written bits and check counters, which an engine's KV kernels
+ * read and update in place, with atomic operations only. 56 bytes.
+ *
+ *   record of page p: records + p * record_size (record_size 32)
+ *     +0  uint64_t state word: bits 0..31 generation, 32..34 state
+ *         (0 free, 1 owned, 2 receiving, 3 quarantined, 4 allocating),
+ *         bit 35 owner ended, 36 owner released, 37 shared, 38 first write seen
+ *     +8  uint64_t owner request   +16 uint32_t owner tenant
+ *     +24 uint64_t first kernel write's step + 1 (0: none)
+ *   written bits of page p: bits + p * stride_words; bit
+ *     (layer * page_slots + slot) is set once the owner wrote that slot of
+ *     that layer in the page's current generation
+ *   counters[0]: pages read-checked, counters[1]: stores checked
+ *
+ * A read of slots 0..n of layer l of page p through a PageRef is legal when
+ * the generation matches, the state is owned, the owner is the reader and
+ * has not released or ended, and the n bits are set; anything else goes to
+ * kvsan_kernel_refusal. */
+typedef struct KvsanKernelShadow {
+    uint32_t size; /* sizeof(KvsanKernelShadow) */
+    uint32_t layout_version;
+    uint32_t pages;
+    uint32_t page_slots;
+    uint32_t layers;
+    uint32_t record_size;
+    uint32_t stride_words; /* ceil(layers * page_slots / 64) */
+    uint32_t reserved;
+    const void *records;
+    const uint64_t *bits;
+    uint64_t *counters;
+} KvsanKernelShadow;
+
+/* A kernel access its in-place check did not pass. 32 bytes. */
+typedef struct KvsanKernelAccess {
+    uint32_t op;    /* KVSAN_ACCESS_* */
+    uint32_t layer;
+    KvsanPageRef page; /* the PageRef the kernel used */
+    KvsanRange slots;  /* read: 0..n; store, poison: s..s+1 */
+    uint32_t entry;    /* read, poison: block-table entry; store: token position */
+    uint32_t reserved; /* 0 */
+} KvsanKernelAccess;
+
+/* KvsanKernelAccess.op */
+#define KVSAN_ACCESS_READ 0u
+#define KVSAN_ACCESS_STORE 1u
+#define KVSAN_ACCESS_POISON 2u /* poison reached attention output from this slot */
+
 /* What a check says. 16 bytes. */
 typedef struct KvsanVerdict {
     uint32_t code;         /* KVSAN_VERDICT_* */
@@ -150,8 +198,12 @@ typedef KvsanVerdict (*KvsanTransferFn)(void *ctx, uint32_t pool, const KvsanMan
 typedef KvsanVerdict (*KvsanCommitFn)(void *ctx, uint32_t pool, KvsanOwner owner,
                                       const KvsanPageRef *table, size_t table_len,
                                       uint64_t committed_tokens);
+typedef KvsanVerdict (*KvsanKernelShadowFn)(void *ctx, uint32_t pool, KvsanKernelShadow *out);
+typedef KvsanVerdict (*KvsanKernelRefusalFn)(void *ctx, uint32_t pool, KvsanOwner owner,
+                                             const KvsanKernelAccess *access, uint64_t step);
 
-/* Version 1.0, 96 bytes on LP64. `size` first; a newer minor only appends. */
+/* Version 1.1, 112 bytes on LP64 (1.0 ends before kernel_shadow, 96 bytes).
+ * `size` first; a newer minor only appends. */
 typedef struct KvsanHookTable {
     uint32_t size;
     uint16_t version_major;
@@ -168,6 +220,8 @@ typedef struct KvsanHookTable {
     KvsanTransferFn transfer_send;
     KvsanTransferFn transfer_recv;
     KvsanCommitFn transfer_commit;
+    KvsanKernelShadowFn kernel_shadow;   /* 1.1 */
+    KvsanKernelRefusalFn kernel_refusal; /* 1.1 */
 } KvsanHookTable;
 
 /* The table, valid for the rest of the process; NULL if the library refused
@@ -211,6 +265,16 @@ int32_t kvsan_write(uint32_t pool, KvsanOwner owner, KvsanPageRef page, KvsanRan
  * block table table[0..table_len] for `layers`. */
 int32_t kvsan_read(uint32_t pool, KvsanOwner owner, const KvsanPageRef *table, size_t table_len,
                    uint64_t tokens, KvsanRange layers, uint64_t step, KvsanVerdict *verdict_out);
+
+/* ---- kernels that check in place ------------------------------------------ */
+
+/* Describes pool `pool`'s kernel shadow (out_size = sizeof(KvsanKernelShadow)). */
+int32_t kvsan_kernel_shadow(uint32_t pool, KvsanKernelShadow *out, size_t out_size);
+/* The cold path of a kernel access that did not pass its in-place check:
+ * checked against the whole shadow, reported; the verdict says whether the
+ * kernel may go on (access_size = sizeof(KvsanKernelAccess)). */
+int32_t kvsan_kernel_refusal(uint32_t pool, KvsanOwner owner, const KvsanKernelAccess *access,
+                             size_t access_size, uint64_t step, KvsanVerdict *verdict_out);
 
 /* ---- transfers (disaggregated prefill -> decode) -------------------------- */
 

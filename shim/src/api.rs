@@ -17,8 +17,9 @@ use std::ffi::{CString, c_char};
 use std::sync::OnceLock;
 
 use kvsan_sanitizer::abi::{
-    ABI_VERSION, AbiStatus, KVSAN_OK, KvsanManifest, KvsanOwner, KvsanPageRef, KvsanPoolGeometry,
-    KvsanRange, KvsanVerdict, STATUSES, version_compatible,
+    ABI_VERSION, AbiStatus, KVSAN_OK, KvsanKernelAccess, KvsanKernelShadow, KvsanManifest,
+    KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange, KvsanVerdict, STATUSES,
+    version_compatible,
 };
 use kvsan_sanitizer::{Verdict, ViolationKind};
 
@@ -289,6 +290,76 @@ pub unsafe extern "C" fn kvsan_read(
         // SAFETY: the caller's contract on `table`.
         let table = unsafe { calls::page_refs(CALL, "table", table, table_len) }?;
         calls::read(CALL, pool, owner, table, tokens, layers, step)
+    };
+    // SAFETY: the caller's contract on `verdict_out`.
+    unsafe { checked(CALL, verdict_out, body) }
+}
+
+/// Describes pool `pool`'s kernel shadow into `out` (`out_size` must be
+/// `sizeof(KvsanKernelShadow)`): the page records and written bits an
+/// engine's kernels check each KV access against in place, and the two
+/// check counters they bump. The memory is the library's, valid for the
+/// rest of the process; records and bits are only read and updated with
+/// atomic operations (`kvsan.h` documents the layout).
+///
+/// # Safety
+/// - `out` is null or writable for `out_size` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvsan_kernel_shadow(
+    pool: u32,
+    out: *mut KvsanKernelShadow,
+    out_size: usize,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_kernel_shadow";
+    status(CALL, || {
+        check_size(
+            CALL,
+            "out_size",
+            "KvsanKernelShadow",
+            out_size,
+            size_of::<KvsanKernelShadow>(),
+        )?;
+        if out.is_null() {
+            return Err(null(CALL, "out"));
+        }
+        let raw = calls::kernel_shadow(CALL, pool)?;
+        // SAFETY: non-null, writable for a whole description by the
+        // caller's contract (its size was checked).
+        unsafe { out.write_unaligned(raw) };
+        Ok(())
+    })
+}
+
+/// The cold path of a kernel access that did not pass its in-place check
+/// against the kernel shadow: `owner`'s batch row was about to make
+/// `access` (`access_size` must be `sizeof(KvsanKernelAccess)`) at `step`.
+/// The access is checked against the whole shadow (sharers included) and a
+/// violation is reported; the verdict says whether the kernel may go on.
+///
+/// # Safety
+/// - `access` is null or readable for `access_size` bytes;
+/// - `verdict_out` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvsan_kernel_refusal(
+    pool: u32,
+    owner: KvsanOwner,
+    access: *const KvsanKernelAccess,
+    access_size: usize,
+    step: u64,
+    verdict_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_kernel_refusal";
+    let body = || {
+        check_size(
+            CALL,
+            "access_size",
+            "KvsanKernelAccess",
+            access_size,
+            size_of::<KvsanKernelAccess>(),
+        )?;
+        // SAFETY: the caller's contract on `access`.
+        let access = unsafe { calls::kernel_access(CALL, access) }?;
+        calls::kernel_refusal(CALL, pool, owner, &access, step)
     };
     // SAFETY: the caller's contract on `verdict_out`.
     unsafe { checked(CALL, verdict_out, body) }

@@ -8,8 +8,8 @@
 use std::ops::Range;
 
 use kvsan_sanitizer::abi::{
-    KvsanManifest, KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange, event_from_code,
-    role_from_code,
+    KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageRef,
+    KvsanPoolGeometry, KvsanRange, event_from_code, role_from_code,
 };
 use kvsan_sanitizer::{
     Generation, Manifest, Owner, PageId, PageRef, PoolGeometry, PoolId, Sanitizer, Verdict,
@@ -337,5 +337,60 @@ pub(crate) fn transfer_commit(
     let committed = tokens(call, "committed_tokens", committed)?;
     san()?
         .transfer_commit(PoolId(pool), o, table, committed)
+        .map_err(sanitizer_error(call))
+}
+
+/// Where pool `pool`'s kernel shadow lives (the sanitizer's memory, valid
+/// for the rest of the process).
+pub(crate) fn kernel_shadow(call: &'static str, pool: u32) -> Result<KvsanKernelShadow, ShimError> {
+    Ok(san()?
+        .kernel_shadow(PoolId(pool))
+        .map_err(sanitizer_error(call))?
+        .to_raw())
+}
+
+/// The access at `a`, checked.
+///
+/// # Safety
+/// - `a` is null or points to a readable `KvsanKernelAccess`.
+pub(crate) unsafe fn kernel_access(
+    call: &'static str,
+    a: *const KvsanKernelAccess,
+) -> Result<kvsan_sanitizer::KernelAccess, ShimError> {
+    if a.is_null() {
+        return Err(ShimError::Null {
+            call,
+            argument: "access",
+        });
+    }
+    // SAFETY: non-null and readable by the caller's contract.
+    let a = unsafe { a.read_unaligned() };
+    if a.reserved != 0 {
+        return Err(ShimError::InvalidArgument {
+            call,
+            argument: "access.reserved",
+            value: a.reserved.into(),
+            allowed: "0",
+        });
+    }
+    a.to_access().ok_or(ShimError::InvalidArgument {
+        call,
+        argument: "access.op",
+        value: a.op.into(),
+        allowed: "0 read, 1 store, 2 poison",
+    })
+}
+
+/// The cold path of a kernel access that did not pass its in-place check.
+pub(crate) fn kernel_refusal(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    access: &kvsan_sanitizer::KernelAccess,
+    step: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .kernel_refusal(PoolId(pool), o, access, step)
         .map_err(sanitizer_error(call))
 }

@@ -13,7 +13,8 @@ use std::sync::OnceLock;
 use kvsan_sanitizer::Verdict;
 use kvsan_sanitizer::abi::{
     HOOK_TABLE_VERSION_MAJOR, HOOK_TABLE_VERSION_MINOR, KVSAN_FLAG_POISON, KvsanHookTable,
-    KvsanManifest, KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange, KvsanVerdict,
+    KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageRef,
+    KvsanPoolGeometry, KvsanRange, KvsanVerdict,
 };
 
 use crate::attach::{Attach, attach};
@@ -49,6 +50,8 @@ fn build(options: &kvsan_sanitizer::Options) -> Table {
         transfer_send: Some(transfer_send),
         transfer_recv: Some(transfer_recv),
         transfer_commit: Some(transfer_commit),
+        kernel_shadow: Some(kernel_shadow),
+        kernel_refusal: Some(kernel_refusal),
     })
 }
 
@@ -204,5 +207,44 @@ unsafe extern "C" fn transfer_commit(
         // SAFETY: as in `read`.
         let table = unsafe { calls::page_refs("transfer_commit", "table", table, table_len) }?;
         calls::transfer_commit("transfer_commit", pool, owner, table, committed_tokens)
+    }))
+}
+
+/// # Safety
+/// `out` null or writable for one `KvsanKernelShadow`.
+unsafe extern "C" fn kernel_shadow(
+    _ctx: *mut c_void,
+    pool: u32,
+    out: *mut KvsanKernelShadow,
+) -> KvsanVerdict {
+    const CALL: &str = "kernel_shadow";
+    verdict(guarded(CALL, || {
+        if out.is_null() {
+            return Err(ShimError::Null {
+                call: CALL,
+                argument: "out",
+            });
+        }
+        let raw = calls::kernel_shadow(CALL, pool)?;
+        // SAFETY: non-null; the engine passes a writable description.
+        unsafe { out.write_unaligned(raw) };
+        Ok(Verdict::Continue)
+    }))
+}
+
+/// # Safety
+/// `access` null or readable for one `KvsanKernelAccess`.
+unsafe extern "C" fn kernel_refusal(
+    _ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    access: *const KvsanKernelAccess,
+    step: u64,
+) -> KvsanVerdict {
+    const CALL: &str = "kernel_refusal";
+    verdict(guarded(CALL, || {
+        // SAFETY: the engine passes the access it refused, alive for the call.
+        let access = unsafe { calls::kernel_access(CALL, access) }?;
+        calls::kernel_refusal(CALL, pool, owner, &access, step)
     }))
 }

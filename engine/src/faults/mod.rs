@@ -18,7 +18,11 @@
 //! | `double-free` | a request's release frees its tail page on its own and then again with the rest of its block table, and the pool (no "already free" check) puts the page on the free list twice: the next two allocations hand the same page to two requests |
 //! | `overlapping-transfer` | decode computes the destination of a KV transfer message back from its end with the page count taken as `tokens / page_slots + 1`: a message ending on a page boundary is written one page early, its first page's KV landing in the physically preceding page — another request's |
 //! | `commit-after-abort` | decode, cancelling a request whose KV is on its way, frees its reserved pages at once and leaves the request's record for the transfer's end to clean up (prefill is not told; the KV pieces that still come are dropped): the completion — prefill's commit of the last chunk, with the first token — is not checked against the cancel, so decode commits the cancelled request and decodes it through the block table it had, writing its tokens' KV into pages the free list has since handed to another request |
-//! | `padding-slot-wrap` | a batch of two or more rows is padded to a multiple of 4 rows (fixed batch shapes); each padding row repeats the first row's last token with slot mapping −1, which, unchecked, wraps to the pool's last slot: the first row's KV lands in the page of whichever request owns the pool's last page |
+//! | `padding-slot-wrap` | a batch of two or more rows is padded to a multiple of 4 rows (fixed batch shapes); each padding row repeats the first row (its request and last token) with slot mapping −1, which, unchecked, wraps to the pool's last slot: the first row's KV lands in the page of whichever request owns the pool's last page |
+//! | `decode-length-overrun` | a decode row of a sequence past [`crate::node::batch::LONG_DECODE_TOKENS`] tokens takes the long-context path, whose attention length the batch gives as the row's pages' capacity (pages × page slots) instead of its tokens: it attends over its last page's unwritten slots, which hold the page's previous owner's KV |
+//! | `block-table-row-order` | the batch's kernel rows (queries, lengths, store positions) are sorted longest-query first for the kernel's load balance, but the block-table array is written in plan order: a row whose place moved reads, and stores into, another row's pages |
+//! | `slot-mapping-chunk-offset` | a prefill chunk that starts inside a page gets its store slots counted from the chunk's start (`i % page_slots`, not `(start + i) % page_slots`): its tokens' KV lands on slots its own earlier tokens hold, and its real slots stay as the page's previous owner left them, which attention then reads |
+//! | `stale-batch-array` | the batch's block-table array is kept from step to step, and a row whose table has as many pages as the row held last step is taken as unchanged: when a request leaves and the next takes its row with as many pages, it stores into and reads the pages of the request that left |
 
 pub mod scenario;
 
@@ -47,11 +51,19 @@ pub enum Fault {
     /// The completion of a request cancelled while its KV was on its way
     /// is committed anyway: the request decodes through its freed pages.
     CommitAfterAbort,
+    /// A long sequence's decode attends over its pages' whole capacity.
+    DecodeLengthOverrun,
+    /// Kernel rows reordered without the block-table array.
+    BlockTableRowOrder,
+    /// A mid-page chunk's store slots counted from the chunk's start.
+    SlotMappingChunkOffset,
+    /// A batch block-table row kept from the previous step for a new occupant.
+    StaleBatchArray,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 13] = [
         Fault::RejectAsPlaceholder,
         Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
@@ -61,6 +73,10 @@ impl Fault {
         Fault::PaddingSlotWrap,
         Fault::OverlappingTransfer,
         Fault::CommitAfterAbort,
+        Fault::DecodeLengthOverrun,
+        Fault::BlockTableRowOrder,
+        Fault::SlotMappingChunkOffset,
+        Fault::StaleBatchArray,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -76,6 +92,10 @@ impl Fault {
             Fault::OverlappingTransfer => "overlapping-transfer",
             Fault::PaddingSlotWrap => "padding-slot-wrap",
             Fault::CommitAfterAbort => "commit-after-abort",
+            Fault::DecodeLengthOverrun => "decode-length-overrun",
+            Fault::BlockTableRowOrder => "block-table-row-order",
+            Fault::SlotMappingChunkOffset => "slot-mapping-chunk-offset",
+            Fault::StaleBatchArray => "stale-batch-array",
         }
     }
 

@@ -1,6 +1,7 @@
 //! Leak-oracle scenarios: for every [`Fault`], a short script in the real
-//! disaggregated engine (synthetic model) with a victim request of tenant A,
-//! a probe request of tenant B and an unrelated bystander of tenant C.
+//! engine (synthetic model; disaggregated, or unified for the faults of a
+//! node's own forward path) with a victim request of tenant A, a probe
+//! request of tenant B and an unrelated bystander of tenant C.
 //!
 //! The oracle is noninterference: the probe's outcome must not depend on
 //! the victim. Each scenario is run twice with victims that differ only in
@@ -53,6 +54,18 @@ pub enum VictimEnd {
     Finishes,
     /// The script itself cancels it (the fault acts on a cancelled request).
     Cancelled,
+    /// It is aborted too: the fault makes it misuse pages as well (its own
+    /// batch row moved with the probe's).
+    Aborted,
+}
+
+/// The deployment a scenario runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// Prefill and decode nodes, linked in process.
+    Disaggregated,
+    /// One node computes prefill and decode.
+    Unified,
 }
 
 /// Which request the sanitizer aborts.
@@ -99,6 +112,8 @@ pub struct Scenario {
     pub kernel_check: Option<Culprit>,
     /// How the victim ends when it is not the culprit.
     pub victim_end: VictimEnd,
+    /// Where the script runs.
+    pub topology: Topology,
     /// Engine settings of the scenario (pool sizes, limits).
     configure: fn(&mut EngineConfig),
     /// Submits the requests and waits for them.
@@ -116,6 +131,7 @@ impl Scenario {
                 culprit: Culprit::Probe,
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
                 configure: |cfg| {
                     // The probe's 300 tokens are over the prefill pool.
                     cfg.prefill_pool_tokens = Some(256);
@@ -135,6 +151,7 @@ impl Scenario {
                 culprit: Culprit::Ended,
                 kernel_check: None,
                 victim_end: VictimEnd::Cancelled,
+                topology: Topology::Disaggregated,
                 configure: |cfg| {
                     // Small steps: the filler's prefill takes many of them.
                     // Decode holds the probe's whole answer next to the
@@ -157,6 +174,7 @@ impl Scenario {
                 culprit: Culprit::Probe,
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
                 configure: |_| {},
                 drive: |engine, seed| {
                     // A short victim (one transfer piece, untouched by the
@@ -174,6 +192,7 @@ impl Scenario {
                 culprit: Culprit::Probe,
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
                 configure: |_| {},
                 drive: |engine, seed| {
                     // A victim and a bystander short enough for the intact
@@ -193,6 +212,7 @@ impl Scenario {
                 culprit: Culprit::Probe,
                 kernel_check: Some(Culprit::Probe),
                 victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
                 configure: |cfg| {
                     // Decode holds the victim's prompt (32 pages) and the
                     // probe's one page, nothing more.
@@ -219,6 +239,7 @@ impl Scenario {
                 culprit: Culprit::Ended,
                 kernel_check: Some(Culprit::Probe),
                 victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
                 configure: |cfg| cfg.page_slots = DF_PAGE_SLOTS,
                 drive: |engine, seed| {
                     // The bystander ends first, alone: on both nodes its
@@ -262,6 +283,7 @@ impl Scenario {
                 culprit: Culprit::Victim,
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
                 configure: |cfg| {
                     // The prefill pool holds the victim's prompt and the
                     // probe's one page, nothing more: on a fresh pool
@@ -292,12 +314,109 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::DecodeLengthOverrun => Scenario {
+                fault,
+                expected: ViolationKind::StaleRead,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |_| {},
+                drive: |engine, seed| {
+                    // The victim's 400-token prompt fills 25 pages and it
+                    // ends with its first token. The probe's 300-token
+                    // prompt gets the first 19 of them back (the free list
+                    // is a stack): its last page holds its tokens 288..300
+                    // and the victim's 300..304. Past 256 tokens, the probe's
+                    // decode reads its whole last page: the victim's KV, and
+                    // past each page boundary the next page's.
+                    let v = engine.submit(victim(seed, DLO_VICTIM_TOKENS, 1)).wait();
+                    let p = engine.submit(probe(DLO_PROBE_TOKENS, 16)).wait();
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::BlockTableRowOrder => Scenario {
+                fault,
+                expected: ViolationKind::ForeignWrite,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Aborted,
+                topology: Topology::Unified,
+                configure: |cfg| cfg.scheduler.step_tokens = ROW_STEP_TOKENS,
+                drive: |engine, seed| {
+                    // The probe prefills, then decodes one token a step while
+                    // the victim's prompt goes in chunks of the rest of the
+                    // budget: each of those steps plans the probe's decode
+                    // row first and the victim's chunk second, the kernel
+                    // rows are sorted longest first, and the block-table
+                    // rows are not: the probe's query reads, and its KV is
+                    // stored into, the victim's pages (and the victim's into
+                    // the probe's). The one race: the victim's submission,
+                    // sent right after the probe's, must reach the node
+                    // within the probe's 24 decode steps.
+                    let p = engine.submit(probe(20, 24));
+                    let v = engine.submit(victim(seed, 200, 8));
+                    let (v, p) = (v.wait(), p.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::SlotMappingChunkOffset => Scenario {
+                fault,
+                expected: ViolationKind::StaleRead,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| cfg.scheduler.step_tokens = SMO_STEP_TOKENS,
+                drive: |engine, seed| {
+                    // The victim's prompt is one chunk from token 0, and its
+                    // answer's KV fills slots 8..15 of its third page. The
+                    // probe gets its pages back; its second chunk starts at
+                    // token 40, slot 8 of the third page, and is stored from
+                    // slot 0: slots 8..15 keep the victim's KV, which the
+                    // chunk's attention reads as the probe's tokens 40..47.
+                    let v = engine
+                        .submit(victim(seed, SMO_STEP_TOKENS as u32, 8))
+                        .wait();
+                    let p = engine.submit(probe(2 * SMO_STEP_TOKENS as u32, 16)).wait();
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::StaleBatchArray => Scenario {
+                fault,
+                expected: ViolationKind::WriteAfterFree,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |_| {},
+                drive: |engine, seed| {
+                    // Victim and probe decode side by side, rows 0 and 1,
+                    // two pages each (32 tokens). When the victim ends (its
+                    // 12 tokens reach position 30), the probe moves to row
+                    // 0, which held two pages last step, so the row is kept:
+                    // until the probe needs its third page it stores into
+                    // and attends over the victim's freed pages. The one
+                    // race: the probe's submission must reach the node
+                    // before the victim's 12 tokens are done. The node goes
+                    // idle before the bystander, which resets the array.
+                    let v = engine.submit(victim(seed, 20, 12));
+                    let p = engine.submit(probe(20, 16));
+                    let (v, p) = (v.wait(), p.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
             Fault::OverlappingTransfer => Scenario {
                 fault,
                 expected: ViolationKind::ForeignWrite,
                 culprit: Culprit::Victim,
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
                 configure: |cfg| {
                     // Decode holds the probe's and the victim's prompts and
                     // nothing more, so the probe's first decode page waits
@@ -367,7 +486,11 @@ impl Scenario {
         victim_seed: u32,
         inject: bool,
     ) -> Result<ScenarioRun, EngineError> {
-        let engine = Engine::disaggregated(model.clone(), &self.config(hooks, check))?;
+        let cfg = self.config(hooks, check);
+        let engine = match self.topology {
+            Topology::Disaggregated => Engine::disaggregated(model.clone(), &cfg)?,
+            Topology::Unified => Engine::unified(model.clone(), &cfg)?,
+        };
         self.drive_injecting(&engine, victim_seed, inject)
     }
 
@@ -377,7 +500,7 @@ impl Scenario {
     /// node served on a thread, linked in-process.
     ///
     /// # Errors
-    /// The engine could not be built.
+    /// The engine could not be built, or the scenario runs on a unified node.
     pub fn run_separate(
         &self,
         model: &Arc<Model>,
@@ -387,6 +510,11 @@ impl Scenario {
         victim_seed: u32,
         inject: bool,
     ) -> Result<ScenarioRun, EngineError> {
+        if self.topology == Topology::Unified {
+            return Err(EngineError::Config {
+                what: format!("scenario {} runs on a unified node", self.fault.name()),
+            });
+        }
         let engine = Engine::decode_only(model.clone(), &self.config(decode_hooks, check))?;
         let prefill_cfg = self.config(prefill_hooks, check);
         let pair = crate::transport::in_process::pair();
@@ -568,6 +696,20 @@ const DF_BYSTANDER_TOKENS: usize = (DF_PAGES - 1) * DF_PAGE_SLOTS + 4;
 const DF_PROBE_TOKENS: usize = (DF_PAGES - 1) * DF_PAGE_SLOTS + DF_PAGE_SLOTS / 2;
 /// `double-free`: the victim's prompt, the first slots of its one page.
 const DF_VICTIM_TOKENS: usize = 2;
+
+/// `decode-length-overrun`: the victim's prompt, 25 pages of 16 slots.
+const DLO_VICTIM_TOKENS: u32 = 400;
+/// `decode-length-overrun`: the probe's prompt, past the long-decode
+/// threshold and ending inside a page.
+const DLO_PROBE_TOKENS: u32 = 300;
+
+/// `block-table-row-order`: the step budget, so the victim's prompt takes
+/// several steps beside the probe's decode.
+const ROW_STEP_TOKENS: usize = 32;
+
+/// `slot-mapping-chunk-offset`: the step budget, two and a half pages (of
+/// the default 16 slots), so the probe's second chunk starts mid-page.
+const SMO_STEP_TOKENS: usize = 40;
 
 /// `overlapping-transfer`: the probe's prompt, two and a half pages (of
 /// the default 16 slots), so its last page holds prompt and decode KV.

@@ -11,18 +11,23 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!  KvsanHookTable { u32 size; u16 version_major, version_minor; u32 flags,
-//!                   quarantine_pages; void *ctx; 9 hooks … }   (96 bytes, v1.0)
+//!                   quarantine_pages; void *ctx; 11 hooks … }  (112 bytes, v1.1;
+//!                                                               96 bytes, v1.0)
 //!  every hook returns KvsanVerdict { u32 code; u32 kind; u64 violation_id }
 //! ```
 //!
 //! Rules of the table:
 //!
 //! - `size` comes first so the engine can read it before trusting anything
-//!   else. A table smaller than the engine's [`KvsanHookTable`], a null table,
-//!   a null hook, or another major version is not attached: the engine says
-//!   so loudly (stderr and the log) and runs without hooks — never a crash.
+//!   else. A table smaller than a version 1.0 table, a null table, a null
+//!   hook, or another major version is not attached: the engine says so
+//!   loudly (stderr and the log) and runs without hooks — never a crash.
 //!   A larger table (a newer minor version) is attached; the engine uses the
 //!   fields it knows.
+//! - A version 1.0 table has no `kernel_shadow`/`kernel_refusal`: it is
+//!   attached, and the engine says loudly that its KV stores and attention
+//!   reads go unchecked (the engine's kernels check against a kernel
+//!   shadow, not through `read`/`write` calls, which it never makes).
 //! - Hooks may be called from several threads at once, for the rest of the
 //!   process; the table, `ctx` and the functions must stay valid that long.
 //! - `pool_register` returns code 0 and writes the pool id, or refuses the
@@ -39,15 +44,14 @@
 //!   `write-after-free` for `transfer_recv`, …), and the raw index is logged.
 
 use std::ffi::CStr;
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvsan_sanitizer::{
-    Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Verdict, ViolationId,
-    ViolationKind,
+    KernelAccess, Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Verdict,
+    ViolationId, ViolationKind,
 };
 
-use super::{HookSettings, KvHooks};
+use super::{HookSettings, KernelShadowHandle, KvHooks};
 use crate::EngineError;
 
 // The C ABI types and constants live with the sanitizer (the ABI is the
@@ -77,6 +81,10 @@ pub enum Hook {
     TransferRecv,
     /// `transfer_commit`.
     TransferCommit,
+    /// `kernel_shadow`.
+    KernelShadow,
+    /// `kernel_refusal`.
+    KernelRefusal,
 }
 
 impl Hook {
@@ -93,6 +101,8 @@ impl Hook {
             Hook::TransferSend => "transfer_send",
             Hook::TransferRecv => "transfer_recv",
             Hook::TransferCommit => "transfer_commit",
+            Hook::KernelShadow => "kernel_shadow",
+            Hook::KernelRefusal => "kernel_refusal",
         }
     }
 }
@@ -106,7 +116,7 @@ pub const fn fallback_kind(hook: Hook) -> ViolationKind {
         Hook::Alloc => ViolationKind::DoubleAlloc,
         Hook::Free => ViolationKind::DoubleFree,
         Hook::Write => ViolationKind::ForeignWrite,
-        Hook::Read => ViolationKind::StaleRead,
+        Hook::Read | Hook::KernelShadow | Hook::KernelRefusal => ViolationKind::StaleRead,
         Hook::TransferSend => ViolationKind::UnwrittenTransfer,
         Hook::TransferRecv => ViolationKind::WriteAfterFree,
         Hook::TransferCommit => ViolationKind::ShortTransfer,
@@ -191,16 +201,29 @@ impl CTableHooks {
         }
         // SAFETY: non-null, and the caller guarantees the first 4 bytes are
         // readable; read unaligned since nothing is trusted yet.
-        let size = unsafe { table.cast::<u32>().read_unaligned() };
-        let need = size_of::<KvsanHookTable>();
-        if (size as usize) < need {
+        let size = unsafe { table.cast::<u32>().read_unaligned() } as usize;
+        let need = HOOK_TABLE_V1_0_SIZE;
+        if size < need {
             return Err(rejected(format!(
-                "its size is {size} bytes; this engine's version {HOOK_TABLE_VERSION_MAJOR}.{HOOK_TABLE_VERSION_MINOR} table needs at least {need}"
+                "its size is {size} bytes; a version {HOOK_TABLE_VERSION_MAJOR}.0 table needs at least {need}"
             )));
         }
-        // SAFETY: at least `size` ≥ size_of::<KvsanHookTable>() bytes are
-        // readable; unaligned in case the library packed it oddly.
-        let copy = unsafe { table.read_unaligned() };
+        // The fields this engine knows, those the library's size covers; a
+        // version 1.0 table ends before the kernel hooks (left null).
+        let mut copy = std::mem::MaybeUninit::<KvsanHookTable>::zeroed();
+        let known = size.min(size_of::<KvsanHookTable>());
+        // SAFETY: `known` ≤ `size` bytes are readable at `table`, and fit in
+        // `copy`; every field of the table is valid as all-zero bytes
+        // (integers, a null pointer, `None`), so a copy of a prefix of it is
+        // a valid table.
+        let copy = unsafe {
+            std::ptr::copy_nonoverlapping(
+                table.cast::<u8>(),
+                copy.as_mut_ptr().cast::<u8>(),
+                known,
+            );
+            copy.assume_init()
+        };
         if copy.version_major != HOOK_TABLE_VERSION_MAJOR {
             return Err(rejected(format!(
                 "its version is {}.{}; this engine speaks major version {HOOK_TABLE_VERSION_MAJOR}",
@@ -220,6 +243,26 @@ impl CTableHooks {
         ];
         if let Some((name, _)) = hooks.iter().find(|(_, null)| *null) {
             return Err(rejected(format!("its `{name}` hook is null")));
+        }
+        let has_kernel_hooks = size >= size_of::<KvsanHookTable>() && copy.version_minor >= 1;
+        if has_kernel_hooks {
+            for (name, null) in [
+                ("kernel_shadow", copy.kernel_shadow.is_none()),
+                ("kernel_refusal", copy.kernel_refusal.is_none()),
+            ] {
+                if null {
+                    return Err(rejected(format!("its `{name}` hook is null")));
+                }
+            }
+        } else {
+            eprintln!(
+                "kvsan: hook table version {}.{} has no kernel shadow: KV stores and attention reads go UNCHECKED",
+                copy.version_major, copy.version_minor
+            );
+            tracing::error!(
+                minor = copy.version_minor,
+                "kvsan: the hook table has no kernel shadow; KV stores and attention reads go unchecked"
+            );
         }
         Ok(CTableHooks {
             minor: copy.version_minor,
@@ -330,57 +373,45 @@ impl KvHooks for CTableHooks {
         self.verdict(Hook::Free, v)
     }
 
-    #[inline]
-    fn write(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        page: PageRef,
-        slots: Range<u32>,
-        layers: Range<u32>,
-        step: u64,
-    ) -> Verdict {
-        // SAFETY: validated table; arguments by value.
-        let v = unsafe {
-            hook!(self.write)(
-                self.table.ctx,
-                pool.0,
-                owner.into(),
-                page.into(),
-                slots.into(),
-                layers.into(),
-                step,
-            )
-        };
-        self.verdict(Hook::Write, v)
+    fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle> {
+        let f = self.table.kernel_shadow?;
+        let mut raw = std::mem::MaybeUninit::<KvsanKernelShadow>::zeroed();
+        // SAFETY: validated table (a non-null kernel_shadow hook of a 1.1
+        // table); `raw` is writable for a whole description.
+        let v = unsafe { f(self.table.ctx, pool.0, raw.as_mut_ptr()) };
+        if v.code != KVSAN_VERDICT_CONTINUE {
+            let _ = self.verdict(Hook::KernelShadow, v);
+            return None;
+        }
+        // SAFETY: all-zero is a valid description, and the hook filled it.
+        let raw = unsafe { raw.assume_init() };
+        // SAFETY: the library's sanitizer lives for the rest of the process
+        // (the table's contract), and with it the memory `raw` describes.
+        match unsafe { KernelShadowHandle::new(raw, None) } {
+            Ok(handle) => Some(handle),
+            Err(e) => {
+                tracing::error!(
+                    "kvsan: the library's kernel shadow is refused: {e}; KV accesses go unchecked"
+                );
+                None
+            }
+        }
     }
 
-    #[inline]
-    fn read(
+    fn kernel_refusal(
         &self,
         pool: PoolId,
         owner: Owner,
-        table: &[PageRef],
-        tokens: usize,
-        layers: Range<u32>,
+        access: &KernelAccess,
         step: u64,
     ) -> Verdict {
-        // SAFETY: validated table; `table` is `table.len()` PageRefs, which
-        // have KvsanPageRef's layout (asserted at compile time), alive for
-        // the call.
-        let v = unsafe {
-            hook!(self.read)(
-                self.table.ctx,
-                pool.0,
-                owner.into(),
-                table.as_ptr().cast(),
-                table.len(),
-                tokens as u64,
-                layers.into(),
-                step,
-            )
+        let Some(f) = self.table.kernel_refusal else {
+            return Verdict::Continue;
         };
-        self.verdict(Hook::Read, v)
+        let a = KvsanKernelAccess::borrow(access);
+        // SAFETY: validated table; `a` is alive for the call.
+        let v = unsafe { f(self.table.ctx, pool.0, owner.into(), &a, step) };
+        self.verdict(Hook::KernelRefusal, v)
     }
 
     fn transfer_send(&self, pool: PoolId, manifest: &Manifest) -> Verdict {

@@ -4,15 +4,22 @@
 //!
 //! | moment                                   | hook              |
 //! | ---------------------------------------- | ----------------- |
-//! | pool created                             | `pool_register`   |
+//! | pool created                             | `pool_register`, then `kernel_shadow` |
 //! | request queued/admitted/…/finished       | `request_event`   |
 //! | page taken from the free list            | `alloc`           |
-//! | KV computed into slots                   | `write`           |
-//! | before attention reads a block table     | `read`            |
+//! | the store kernel writes a token's KV     | in-kernel check against the kernel shadow |
+//! | the attention kernel reads a page        | in-kernel check against the kernel shadow |
+//! | a kernel access that check did not pass  | `kernel_refusal` (cold: report, verdict) |
 //! | prefill ships KV                         | `transfer_send`   |
 //! | bytes land on decode                     | `transfer_recv`   |
 //! | decode starts using the request's KV     | `transfer_commit` |
 //! | page returned                            | `free`            |
+//!
+//! KV stores and attention reads are not reported as hook calls: the
+//! kernels check each page they touch, with the arguments they were given,
+//! against the target's kernel shadow ([`kvsan_sanitizer::kernel_shadow`])
+//! in place, and only an access that does not pass leaves the kernel for
+//! the target ([`KvHooks::kernel_refusal`]). See [`crate::kv_access`].
 //!
 //! [`Hooks`] holds the target chosen once at start-up
 //! ([`Hooks::from_environment`]):
@@ -32,11 +39,11 @@
 pub mod ctable;
 pub mod sanitizer;
 
-use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
-pub use kvsan_sanitizer::{Manifest, NodeRole, PoolGeometry, RequestEvent, Verdict};
-use kvsan_sanitizer::{Owner, PageRef, PoolId};
+use kvsan_sanitizer::abi::KvsanKernelShadow;
+pub use kvsan_sanitizer::{KernelAccess, Manifest, NodeRole, PoolGeometry, RequestEvent, Verdict};
+use kvsan_sanitizer::{KernelShadow, Owner, PageRef, PoolId};
 
 pub use ctable::CTableHooks;
 pub use sanitizer::SanitizerHooks;
@@ -63,25 +70,21 @@ pub trait KvHooks: Send + Sync {
     fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict;
     /// `owner` returns `page` to the pool.
     fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict;
-    /// `owner` computes KV into `slots` × `layers` of `page`.
-    fn write(
+    /// The kernel shadow of `pool`, which the engine's kernels check every
+    /// KV store and attention read against in place; `None` if the target
+    /// has none (KV accesses then go unchecked by it).
+    fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle>;
+    /// The cold path of a kernel access the in-place check did not pass:
+    /// the access as the kernel was about to make it, by the batch row of
+    /// `owner`, at `step`. The target checks it against its whole state
+    /// (sharers included), reports a violation and returns the verdict;
+    /// [`Verdict::Continue`] lets the kernel go on (a legal shared read, or
+    /// `on_violation=report`).
+    fn kernel_refusal(
         &self,
         pool: PoolId,
         owner: Owner,
-        page: PageRef,
-        slots: Range<u32>,
-        layers: Range<u32>,
-        step: u64,
-    ) -> Verdict;
-    /// Attention of `owner` is about to read the first `tokens` positions of
-    /// `table` for `layers`.
-    fn read(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        table: &[PageRef],
-        tokens: usize,
-        layers: Range<u32>,
+        access: &KernelAccess,
         step: u64,
     ) -> Verdict;
     /// The sender ships what `manifest` describes.
@@ -105,6 +108,68 @@ pub trait KvHooks: Send + Sync {
     /// Writes the target's end-of-run summary (`kvsan: N violations`), if it
     /// keeps one.
     fn print_summary(&self) {}
+}
+
+/// A target's kernel shadow of one pool, kept alive with its target.
+///
+/// It describes memory the target owns (records, written bits, counters):
+/// the target's sanitizer keeps it for its whole life, and `keep` holds
+/// that sanitizer (or nothing, for a preloaded library whose sanitizer
+/// lives as long as the process).
+pub struct KernelShadowHandle {
+    raw: KvsanKernelShadow,
+    _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+// SAFETY: the raw pointers address atomics (records, bits, counters) that
+// any thread may access; `keep` is Send + Sync.
+unsafe impl Send for KernelShadowHandle {}
+// SAFETY: as for `Send`: shared access is only atomic loads and RMWs.
+unsafe impl Sync for KernelShadowHandle {}
+
+impl std::fmt::Debug for KernelShadowHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelShadowHandle")
+            .field("pages", &self.raw.pages)
+            .field("page_slots", &self.raw.page_slots)
+            .field("layers", &self.raw.layers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KernelShadowHandle {
+    /// A handle for `raw`, after checking that it describes this build's
+    /// layout.
+    ///
+    /// # Errors
+    /// What in `raw` does not match this build's layout.
+    ///
+    /// # Safety
+    /// - `raw` describes a live pool's kernel shadow whose memory stays
+    ///   allocated while `keep` is held (or for the rest of the process).
+    pub unsafe fn new(
+        raw: KvsanKernelShadow,
+        keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<KernelShadowHandle, &'static str> {
+        // SAFETY: the caller's contract; checked here once.
+        unsafe { KernelShadow::from_raw(&raw) }?;
+        Ok(KernelShadowHandle { raw, _keep: keep })
+    }
+
+    /// The kernels' view.
+    #[must_use]
+    pub fn view(&self) -> KernelShadow<'_> {
+        // SAFETY: `new` checked the description; the memory lives while
+        // `self` (and so `keep`) does.
+        unsafe { KernelShadow::from_raw(&self.raw) }
+            .expect("a checked kernel-shadow description stays valid")
+    }
+
+    /// Pages, slots per page and layers the shadow covers.
+    #[must_use]
+    pub fn geometry(&self) -> (u32, u32, u32) {
+        (self.raw.pages, self.raw.page_slots, self.raw.layers)
+    }
 }
 
 /// What a target asks the engine to do with freed pages — the checks only
@@ -331,32 +396,22 @@ impl Hooks {
         dispatch!(self, free(pool, owner, page, step))
     }
 
-    /// See [`KvHooks::write`].
-    #[inline]
-    pub fn write(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        page: PageRef,
-        slots: Range<u32>,
-        layers: Range<u32>,
-        step: u64,
-    ) -> Verdict {
-        dispatch!(self, write(pool, owner, page, slots, layers, step))
+    /// See [`KvHooks::kernel_shadow`]; `None` without a target.
+    #[must_use]
+    pub fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle> {
+        self.target.as_ref()?.kernel_shadow(pool)
     }
 
-    /// See [`KvHooks::read`].
-    #[inline]
-    pub fn read(
+    /// See [`KvHooks::kernel_refusal`].
+    #[cold]
+    pub fn kernel_refusal(
         &self,
         pool: PoolId,
         owner: Owner,
-        table: &[PageRef],
-        tokens: usize,
-        layers: Range<u32>,
+        access: &KernelAccess,
         step: u64,
     ) -> Verdict {
-        dispatch!(self, read(pool, owner, table, tokens, layers, step))
+        dispatch!(self, kernel_refusal(pool, owner, access, step))
     }
 
     /// See [`KvHooks::transfer_send`].

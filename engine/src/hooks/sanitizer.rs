@@ -8,16 +8,15 @@
 //! engine's own checks (the pool's free-list bookkeeping, the checked kernel)
 //! still stand.
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvsan_sanitizer::{
-    Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Sanitizer, SanitizerError,
-    Verdict,
+    KernelAccess, Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Sanitizer,
+    SanitizerError, Verdict,
 };
 
-use super::{HookSettings, KvHooks};
+use super::{HookSettings, KernelShadowHandle, KvHooks};
 
 /// Errors logged in full before the adapter only counts them.
 const LOGGED_ERRORS: u64 = 16;
@@ -111,36 +110,36 @@ impl KvHooks for SanitizerHooks {
         self.verdict("free", self.sanitizer.free(pool, owner, page, step))
     }
 
-    #[inline]
-    fn write(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        page: PageRef,
-        slots: Range<u32>,
-        layers: Range<u32>,
-        step: u64,
-    ) -> Verdict {
-        self.verdict(
-            "write",
-            self.sanitizer.write(pool, owner, page, slots, layers, step),
-        )
+    fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle> {
+        let raw = match self.sanitizer.kernel_shadow(pool) {
+            Ok(view) => view.to_raw(),
+            Err(e) => {
+                let _ = self.misuse("kernel_shadow", &e);
+                return None;
+            }
+        };
+        let keep: Arc<dyn std::any::Any + Send + Sync> = self.sanitizer.clone();
+        // SAFETY: `raw` describes the sanitizer's own pool, whose memory
+        // lives as long as the sanitizer, which the handle keeps.
+        match unsafe { KernelShadowHandle::new(raw, Some(keep)) } {
+            Ok(handle) => Some(handle),
+            Err(e) => {
+                let _ = self.misuse("kernel_shadow", &e);
+                None
+            }
+        }
     }
 
-    #[inline]
-    fn read(
+    fn kernel_refusal(
         &self,
         pool: PoolId,
         owner: Owner,
-        table: &[PageRef],
-        tokens: usize,
-        layers: Range<u32>,
+        access: &KernelAccess,
         step: u64,
     ) -> Verdict {
         self.verdict(
-            "read",
-            self.sanitizer
-                .read(pool, owner, table, tokens, layers, step),
+            "kernel_refusal",
+            self.sanitizer.kernel_refusal(pool, owner, access, step),
         )
     }
 

@@ -1,80 +1,36 @@
-//! The Llama forward pass over the paged KV pool, for a batch of sequences
-//! that each bring a chunk of new tokens (a prefill chunk, or one decode
-//! token).
+//! The Llama forward pass over the paged KV pool, for one step's batch of
+//! rows that each bring new tokens (a prefill chunk, or one decode token).
 //!
 //! ```text
-//!  tokens of all chunks ──embed──▶ x [T × d]
+//!  the step's tokens ──embed──▶ x [T × d]
 //!  per layer:  xn = rmsnorm(x)            q,k,v = xn·Wq, xn·Wk, xn·Wv   (all T at once)
 //!              rope(q,k) at each token's position
-//!              K,V of token t ──▶ pool[block_table[pos / page_slots]][layer][slot = pos % page_slots]
-//!              attention per chunk through its block table (decode chunks batched)
+//!              kv.store(layer, k, v)      K,V of token t ──▶ its store slot (page, slot)
+//!              kv.attend(layer, q)        every row over its pages, through the batch's block-table array
 //!              x += attn·Wo ;  x += down(silu(xn·Wg) ⊙ xn·Wu)
-//!  logits for the tokens that asked for them: rmsnorm(x)·Wout
+//!  logits for the rows that ask for them: rmsnorm(x)·Wout
 //! ```
+//!
+//! The pool is reached only through [`KvAccess`], which runs the batch KV
+//! kernels with the step's guard (see [`crate::kv_access`]).
 
-use kvsan_kernels::Exec;
-use kvsan_kernels::attention::{self, DecodeSeq};
 use kvsan_kernels::matmul::matmul;
 use kvsan_kernels::ops;
-use kvsan_sanitizer::PageRef;
+
+use kvsan_kernels::error::KernelError;
+use kvsan_kernels::guard::{Access, Reason, Refusal};
+use kvsan_sanitizer::PoolId;
 
 use crate::EngineError;
 use crate::faults::{self, Fault};
+use crate::hooks::Hooks;
+use crate::kv_access::{AttentionCheck, KvAccess, Logits, RowFault, SeqChunk, StepBatch};
 use crate::kv_pool::KvPool;
 use crate::model::Model;
 
-/// Chunks of more new tokens than this take the long-chunk KV store path
+/// Rows of more new tokens than this take the long-chunk KV store path
 /// (the path fault `skip-layer-write` breaks).
 pub const LONG_CHUNK_TOKENS: usize = 64;
-
-/// The layers whose K/V a chunk of `chunk_tokens` new tokens stores in the
-/// pool: what [`Model::forward`] writes and what the node reports to the
-/// write hook, so the two never disagree.
-///
-/// Fault `skip-layer-write`: the long-chunk store path's layer loop stops
-/// one layer short, so a long prefill chunk leaves the last layer's slots
-/// holding whatever the page's previous owner wrote there.
-#[must_use]
-pub fn stored_layers(n_layers: usize, chunk_tokens: usize) -> std::ops::Range<usize> {
-    if faults::active(Fault::SkipLayerWrite) && chunk_tokens > LONG_CHUNK_TOKENS {
-        return 0..n_layers.saturating_sub(1);
-    }
-    0..n_layers
-}
-
-/// Which logits a chunk wants back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Logits {
-    /// None (a prefill chunk that is not the prompt's last).
-    None,
-    /// The chunk's last token (the next-token distribution).
-    Last,
-    /// Every token of the chunk (scoring, teacher forcing).
-    All,
-}
-
-/// One sequence's share of a forward step.
-#[derive(Clone, Copy, Debug)]
-pub struct SeqChunk<'a> {
-    /// The new tokens.
-    pub tokens: &'a [u32],
-    /// Position of `tokens[0]` in the sequence (tokens before it are in the pool).
-    pub start_pos: usize,
-    /// The sequence's pages, covering at least `start_pos + tokens.len()` positions.
-    pub block_table: &'a [PageRef],
-    /// Which logits to return.
-    pub logits: Logits,
-}
-
-/// How attention reads the pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttentionCheck {
-    /// Plain kernels (release builds).
-    Unchecked,
-    /// Kernels that compare every `PageRef`'s generation with the pool's
-    /// before reading the page (debug builds).
-    Generations,
-}
 
 /// Scratch for one step; sized for `t` tokens.
 struct Scratch {
@@ -90,24 +46,19 @@ struct Scratch {
 }
 
 impl Model {
-    /// Runs one step over `chunks`, writing their K/V into `pool` and
-    /// returning the requested logits, chunk by chunk, `vocab_size` values per
-    /// token (for `Logits::All` every token of the chunk, for `Last` one).
+    /// Runs one step over `kv`'s batch, storing its K/V and attending
+    /// through `kv`, and returns the logits its rows ask for, row by row,
+    /// `vocab_size` values per token (for `Logits::All` every token of the
+    /// row, for `Last` one). Rows `kv` stopped still get logits (of no use).
     ///
     /// # Errors
-    /// [`EngineError::InvalidBatch`] naming the chunk for a token id outside the
-    /// vocabulary, a position past the context, or a block table that does not
-    /// cover the chunk; [`EngineError::Attention`] when a checked kernel
-    /// refuses a stale page reference.
-    pub fn forward(
-        &self,
-        pool: &mut KvPool,
-        chunks: &[SeqChunk<'_>],
-        check: AttentionCheck,
-    ) -> Result<Vec<f32>, EngineError> {
+    /// [`EngineError::InvalidBatch`] naming the row for a token id outside
+    /// the vocabulary, a position past the context, or a pool geometry that
+    /// does not fit the model; nothing is computed then.
+    pub fn forward(&self, kv: &mut KvAccess<'_>) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
-        self.validate_chunks(pool, chunks)?;
-        let t_total: usize = chunks.iter().map(|ch| ch.tokens.len()).sum();
+        self.validate_batch(kv)?;
+        let t_total = kv.batch().tokens.len();
         if t_total == 0 {
             return Ok(Vec::new());
         }
@@ -123,16 +74,11 @@ impl Model {
             gate: vec![0.0; t_total * c.ffn_dim],
             up: vec![0.0; t_total * c.ffn_dim],
         };
-        let tokens: Vec<u32> = chunks
-            .iter()
-            .flat_map(|ch| ch.tokens.iter().copied())
-            .collect();
-        let positions: Vec<usize> = chunks
-            .iter()
-            .flat_map(|ch| ch.start_pos..ch.start_pos + ch.tokens.len())
-            .collect();
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
         let w = &self.weights;
-        ops::embedding(&w.view(&w.token_embd), &tokens, &mut s.x);
+        ops::embedding(&w.view(&w.token_embd), &kv.batch().tokens, &mut s.x);
+        let positions = kv.batch().positions.clone();
+        let mut skip = vec![false; kv.batch().rows()];
 
         for (layer, lw) in w.layers.iter().enumerate() {
             ops::rms_norm(&s.x, &lw.attn_norm, c.rms_eps, &mut s.xn);
@@ -155,8 +101,15 @@ impl Model {
                 &positions,
                 c.rope_base,
             );
-            self.store_kv(pool, chunks, layer, &s.k, &s.v);
-            self.attend(pool, chunks, layer, &s.q, &mut s.att, check)?;
+            // Fault `skip-layer-write`: the long-chunk store path's layer
+            // loop stops one layer short.
+            if faults::active(Fault::SkipLayerWrite) && layer + 1 == c.n_layers {
+                for (r, skip) in skip.iter_mut().enumerate() {
+                    *skip = kv.batch().row_tokens(r).len() > LONG_CHUNK_TOKENS;
+                }
+            }
+            kv.store(layer, &s.k, &s.v, &skip);
+            kv.attend(layer, c.n_heads, scale, &s.q, &mut s.att);
             matmul(&w.view(&lw.wo), &s.att, t_total, &mut s.proj);
             add_inplace(&mut s.x, &s.proj);
 
@@ -167,12 +120,69 @@ impl Model {
             matmul(&w.view(&lw.w_down), &s.gate, t_total, &mut s.proj);
             add_inplace(&mut s.x, &s.proj);
         }
-        Ok(self.logits(chunks, &s.x))
+        Ok(self.logits(kv, &s.x))
     }
 
-    fn validate_chunks(&self, pool: &KvPool, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
+    /// Runs one step over `chunks` on `pool` outside a node (no hooks; the
+    /// kernels checked as `check` says): the batch is built plainly from
+    /// the chunks ([`StepBatch::of_chunks`]).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidBatch`] as for [`Model::forward`] or for a block
+    /// table that does not cover its chunk; [`EngineError::Attention`] for
+    /// the first chunk whose access the kernels refused (a stale tag, a page
+    /// outside the pool), naming the chunk as its sequence.
+    pub fn forward_chunks(
+        &self,
+        pool: &mut KvPool,
+        chunks: &[SeqChunk<'_>],
+        check: AttentionCheck,
+    ) -> Result<Vec<f32>, EngineError> {
+        self.validate_chunks(chunks)?;
+        let batch = StepBatch::of_chunks(chunks, pool.page_slots())?;
+        let hooks = Hooks::none();
+        let mut kv = KvAccess::new(pool, &batch, check, None, &hooks, PoolId(0), 0);
+        let logits = self.forward(&mut kv)?;
+        match kv.finish().into_iter().next() {
+            None => Ok(logits),
+            Some((_, RowFault::Generation(r) | RowFault::Outside(r))) => Err(refusal_error(&r)),
+            Some((row, fault)) => Err(EngineError::InvalidBatch {
+                chunk: row,
+                what: format!("refused: {fault:?}"),
+            }),
+        }
+    }
+
+    /// Token ids and positions of `chunks` within the model.
+    fn validate_chunks(&self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
         let c = &self.config;
-        let geom = pool.geometry();
+        for (i, ch) in chunks.iter().enumerate() {
+            if let Some(&bad) = ch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::InvalidBatch {
+                    chunk: i,
+                    what: format!(
+                        "token id {bad} is outside the vocabulary of {}",
+                        c.vocab_size
+                    ),
+                });
+            }
+            let end = ch.start_pos + ch.tokens.len();
+            if end > c.context_length {
+                return Err(EngineError::InvalidBatch {
+                    chunk: i,
+                    what: format!(
+                        "positions up to {end} exceed the model's context of {} tokens",
+                        c.context_length
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_batch(&self, kv: &KvAccess<'_>) -> Result<(), EngineError> {
+        let c = &self.config;
+        let geom = kv.geometry();
         if geom.n_layers != c.n_layers
             || geom.n_kv_heads != c.n_kv_heads
             || geom.head_dim != c.head_dim
@@ -190,162 +200,68 @@ impl Model {
                 ),
             });
         }
-        for (i, ch) in chunks.iter().enumerate() {
-            let end = ch.start_pos + ch.tokens.len();
-            if let Some(&bad) = ch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        let b = kv.batch();
+        b.kernel_view()
+            .validate()
+            .map_err(|e| EngineError::InvalidBatch {
+                chunk: 0,
+                what: e.to_string(),
+            })?;
+        if b.tokens.len() != b.store_slots.len() || b.positions.len() != b.tokens.len() {
+            return Err(EngineError::InvalidBatch {
+                chunk: 0,
+                what: format!(
+                    "{} tokens, {} positions and {} store slots",
+                    b.tokens.len(),
+                    b.positions.len(),
+                    b.store_slots.len()
+                ),
+            });
+        }
+        for r in 0..b.rows() {
+            let tokens = b.row_tokens(r);
+            if let Some(&bad) = b.tokens[tokens.clone()]
+                .iter()
+                .find(|&&t| t as usize >= c.vocab_size)
+            {
                 return Err(EngineError::InvalidBatch {
-                    chunk: i,
+                    chunk: r,
                     what: format!(
                         "token id {bad} is outside the vocabulary of {}",
                         c.vocab_size
                     ),
                 });
             }
-            if end > c.context_length {
+            if let Some(&end) = b.positions[tokens].iter().max()
+                && end >= c.context_length
+            {
                 return Err(EngineError::InvalidBatch {
-                    chunk: i,
+                    chunk: r,
                     what: format!(
-                        "positions up to {end} exceed the model's context of {} tokens",
+                        "positions up to {} exceed the model's context of {} tokens",
+                        end + 1,
                         c.context_length
                     ),
                 });
-            }
-            if ch.block_table.len() * geom.page_slots < end {
-                return Err(EngineError::InvalidBatch {
-                    chunk: i,
-                    what: format!(
-                        "block table of {} pages × {} slots does not cover {end} positions",
-                        ch.block_table.len(),
-                        geom.page_slots
-                    ),
-                });
-            }
-            if let Some(bad) = ch
-                .block_table
-                .iter()
-                .find(|r| r.page.0 as usize >= pool.n_pages())
-            {
-                return Err(EngineError::InvalidBatch {
-                    chunk: i,
-                    what: format!("{bad} is outside the pool of {} pages", pool.n_pages()),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes each new token's K and V of `layer` into its sequence's pages
-    /// (for the chunks whose [`stored_layers`] include `layer`).
-    fn store_kv(
-        &self,
-        pool: &mut KvPool,
-        chunks: &[SeqChunk<'_>],
-        layer: usize,
-        k: &[f32],
-        v: &[f32],
-    ) {
-        let kvd = self.config.kv_dim();
-        let geom = *pool.geometry();
-        let mut t = 0;
-        for ch in chunks {
-            if !stored_layers(self.config.n_layers, ch.tokens.len()).contains(&layer) {
-                t += ch.tokens.len();
-                continue;
-            }
-            for pos in ch.start_pos..ch.start_pos + ch.tokens.len() {
-                let page = ch.block_table[pos / geom.page_slots].page;
-                let slot = pos % geom.page_slots;
-                let (kr, vr) = (&k[t * kvd..(t + 1) * kvd], &v[t * kvd..(t + 1) * kvd]);
-                attention::kv_write(pool.data_mut(), &geom, page, slot, layer, kr, vr);
-                t += 1;
-            }
-        }
-    }
-
-    /// Attention of every chunk's queries over its pages; decode chunks (one
-    /// token) go through the batched decode kernel together.
-    fn attend(
-        &self,
-        pool: &KvPool,
-        chunks: &[SeqChunk<'_>],
-        layer: usize,
-        q: &[f32],
-        att: &mut [f32],
-        check: AttentionCheck,
-    ) -> Result<(), EngineError> {
-        let c = &self.config;
-        let qd = c.q_dim();
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let geom = pool.geometry();
-        let generations = match check {
-            AttentionCheck::Unchecked => None,
-            AttentionCheck::Generations => Some(pool.generations()),
-        };
-        let mut decode = Vec::new();
-        let mut decode_rows = Vec::new();
-        let mut t = 0;
-        for ch in chunks {
-            let n = ch.tokens.len();
-            if n == 1 {
-                decode.push(DecodeSeq {
-                    q: &q[t * qd..(t + 1) * qd],
-                    block_table: ch.block_table,
-                    seq_len: ch.start_pos + 1,
-                });
-                decode_rows.push(t);
-            } else if n > 1 {
-                attention::prefill_impl(
-                    Exec::global(),
-                    pool.data(),
-                    geom,
-                    layer,
-                    c.n_heads,
-                    scale,
-                    &q[t * qd..(t + n) * qd],
-                    ch.block_table,
-                    ch.start_pos,
-                    n,
-                    &mut att[t * qd..(t + n) * qd],
-                    generations,
-                )?;
-            }
-            t += n;
-        }
-        if !decode.is_empty() {
-            let mut out = vec![0.0f32; decode.len() * qd];
-            attention::decode_impl(
-                Exec::global(),
-                pool.data(),
-                geom,
-                layer,
-                c.n_heads,
-                scale,
-                &decode,
-                &mut out,
-                generations,
-            )?;
-            for (i, &row) in decode_rows.iter().enumerate() {
-                att[row * qd..(row + 1) * qd].copy_from_slice(&out[i * qd..(i + 1) * qd]);
             }
         }
         Ok(())
     }
 
     /// Final norm and output projection for the tokens that asked for logits.
-    fn logits(&self, chunks: &[SeqChunk<'_>], x: &[f32]) -> Vec<f32> {
+    fn logits(&self, kv: &KvAccess<'_>, x: &[f32]) -> Vec<f32> {
         let c = &self.config;
         let d = c.d_model;
+        let b = kv.batch();
         let mut rows = Vec::new();
-        let mut t = 0;
-        for ch in chunks {
-            let n = ch.tokens.len();
-            match ch.logits {
+        for r in 0..b.rows() {
+            let tokens = b.row_tokens(r);
+            match b.logits[r] {
                 Logits::None => {}
-                Logits::Last if n > 0 => rows.push(t + n - 1),
+                Logits::Last if !tokens.is_empty() => rows.push(tokens.end - 1),
                 Logits::Last => {}
-                Logits::All => rows.extend(t..t + n),
+                Logits::All => rows.extend(tokens),
             }
-            t += n;
         }
         if rows.is_empty() {
             return Vec::new();
@@ -361,6 +277,32 @@ impl Model {
         matmul(&self.weights.view(out), &hn, rows.len(), &mut logits);
         logits
     }
+}
+
+/// The kernel error a refusal of a plainly built batch stands for.
+fn refusal_error(r: &Refusal) -> EngineError {
+    let index = match r.access {
+        Access::Read { entry, .. } => entry,
+        Access::Store { token, .. } => token,
+    };
+    EngineError::Attention(match r.reason {
+        Reason::Generation { current } => KernelError::GenerationMismatch {
+            seq: r.row,
+            index,
+            page: r.page.page,
+            found: r.page.generation,
+            current,
+        },
+        Reason::Outside { pages } => KernelError::PageOutOfRange {
+            seq: r.row,
+            index,
+            page: r.page.page,
+            n_pages: pages,
+        },
+        Reason::Checked => KernelError::BatchShape {
+            what: format!("row {} refused: {:?}", r.row, r.access),
+        },
+    })
 }
 
 fn add_inplace(x: &mut [f32], y: &[f32]) {

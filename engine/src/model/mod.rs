@@ -9,8 +9,8 @@ use std::path::Path;
 
 use kvsan_kernels::attention::KvGeometry;
 
+pub use crate::kv_access::{AttentionCheck, Logits, SeqChunk};
 pub use config::ModelConfig;
-pub use forward::{AttentionCheck, Logits, SeqChunk};
 pub use synthetic::SyntheticSpec;
 pub use weights::Weights;
 

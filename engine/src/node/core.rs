@@ -1,15 +1,17 @@
 //! What every node does with its pool: allocate and free pages, and run a
-//! forward step over a batch of sequences — each through the hooks.
+//! forward step over a batch of sequences — its KV accesses checked in the
+//! kernels ([`crate::kv_access`]), its lifecycle events through the hooks.
 
 use std::sync::Arc;
 
-use kvsan_sanitizer::{NodeRole, Owner, PageId, PageRef, PoolGeometry, PoolId, Verdict};
+use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId, Verdict};
 
 use crate::faults::{self, Fault};
-use crate::hooks::{Hooks, RequestEvent};
+use crate::hooks::{Hooks, KernelShadowHandle, RequestEvent};
+use crate::kv_access::{KvAccess, RowFault};
 use crate::kv_pool::KvPool;
-use crate::model::forward::stored_layers;
-use crate::model::{AttentionCheck, Logits, Model, SeqChunk};
+use crate::model::{AttentionCheck, Logits, Model};
+use crate::node::batch::{BatchBuilder, PlannedRow};
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, RequestError};
 
@@ -34,10 +36,6 @@ pub struct NodeStats {
     pub steps: u64,
 }
 
-/// Fault `padding-slot-wrap`: a batch of two or more rows is padded to a
-/// multiple of this many rows, as an engine that runs fixed batch shapes does.
-pub(crate) const PAD_ROWS_TO: usize = 4;
-
 /// A sequence's share of one step: `n` new tokens from `computed`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Planned {
@@ -53,7 +51,11 @@ pub(crate) enum ChunkOutcome {
     /// Computed; `Some(token)` when the chunk completed the context and a
     /// next token was sampled.
     Done(Option<u32>),
-    /// A hook or checked kernel refused it: abort the request with this error.
+    /// Not computed this step (another row made the step's batch invalid);
+    /// planned again next step.
+    NotRun,
+    /// A check refused one of its KV accesses (or the engine's own bounds):
+    /// abort the request with this error.
     Refused(RequestError),
 }
 
@@ -63,10 +65,13 @@ pub(crate) struct NodeCore {
     pub pool: KvPool,
     pub pool_id: PoolId,
     pub hooks: Hooks,
+    /// The hook target's kernel shadow of the pool, if it has one.
+    pub kernel_shadow: Option<KernelShadowHandle>,
     pub check: AttentionCheck,
     pub name: String,
     pub step: u64,
     pub stats: NodeStats,
+    batch: BatchBuilder,
 }
 
 /// The client-facing error for a hook's abort verdict.
@@ -85,20 +90,52 @@ pub(crate) fn violation_error(verdict: Verdict, node: &str) -> RequestError {
     }
 }
 
-/// A checked attention kernel refused a `PageRef` whose generation is not
-/// the page's current one: the request is aborted with a violation of its
-/// own id, kind `generation-mismatch`, found without any sanitizer hook.
-fn kernel_refusal(node: &str, e: &crate::EngineError) -> RequestError {
-    let id = kvsan_sanitizer::ViolationId::next();
-    let kind = kvsan_sanitizer::ViolationKind::GenerationMismatch.name();
-    tracing::error!(node, violation = %id, kind, "checked kernel refused a read: {e}");
-    RequestError {
-        kind: ErrorKind::Violation,
-        message: format!(
-            "aborted by the checked attention kernel on the {node} node: violation {id} ({kind}): {e}"
+/// The client-facing error for a row the step's kernels stopped.
+fn row_error(node: &str, fault: &RowFault) -> RequestError {
+    match fault {
+        RowFault::Violation(verdict) => violation_error(*verdict, node),
+        RowFault::Generation(refusal) => {
+            // The pool's generation check (no sanitizer attached): a
+            // violation of its own id, found without any hook.
+            let id = kvsan_sanitizer::ViolationId::next();
+            let kind = kvsan_sanitizer::ViolationKind::GenerationMismatch.name();
+            let current = match refusal.reason {
+                kvsan_kernels::guard::Reason::Generation { current } => current.0,
+                _ => 0,
+            };
+            let what = format!(
+                "{:?} through {} whose page is at gen {current}",
+                refusal.access, refusal.page
+            );
+            tracing::error!(node, violation = %id, kind, "checked kernel refused an access: {what}");
+            RequestError {
+                kind: ErrorKind::Violation,
+                message: format!(
+                    "aborted by the checked KV kernels on the {node} node: violation {id} ({kind}): {what}"
+                ),
+                rejection: None,
+                violation: Some(Box::new((id.to_string(), kind.to_string()))),
+            }
+        }
+        RowFault::Outside(refusal) => {
+            tracing::error!(
+                node,
+                "KV kernels refused an access outside the pool: {refusal:?}"
+            );
+            RequestError::new(
+                ErrorKind::Internal,
+                format!(
+                    "the {node} node's batch sent a KV access outside its pool ({:?} through {}); the request is aborted",
+                    refusal.access, refusal.page
+                ),
+            )
+        }
+        RowFault::Nan { layer } => RequestError::new(
+            ErrorKind::Internal,
+            format!(
+                "attention output of layer {layer} on the {node} node turned NaN with no poisoned slot behind it"
+            ),
         ),
-        rejection: None,
-        violation: Some(Box::new((id.to_string(), kind.to_string()))),
     }
 }
 
@@ -125,6 +162,12 @@ impl NodeCore {
             node: name.to_string(),
         };
         let pool_id = hooks.pool_register(&shadow, PoolId(0));
+        let kernel_shadow = kernel_shadow_of(&hooks, pool_id, &shadow, name);
+        let width = model
+            .config()
+            .context_length
+            .div_ceil(page_slots)
+            .min(n_pages);
         Ok(NodeCore {
             model,
             stats: NodeStats {
@@ -135,9 +178,11 @@ impl NodeCore {
             pool,
             pool_id,
             hooks,
+            kernel_shadow,
             check,
             name: name.to_string(),
             step: 0,
+            batch: BatchBuilder::new(width),
         })
     }
 
@@ -180,7 +225,7 @@ impl NodeCore {
     pub fn release(&mut self, seq: &mut Sequence) {
         // Last page first: the free list is a stack, so the next request
         // gets these pages back in their original order.
-        let pages: Vec<PageRef> = seq.table.drain(..).rev().collect();
+        let pages: Vec<PageRef> = seq.table.take().into_iter().rev().collect();
         // Fault `double-free`: the tail page is freed on its own first (as
         // when the page being filled was kept outside the block table) and
         // then again with the rest of the table.
@@ -212,41 +257,9 @@ impl NodeCore {
         }
     }
 
-    /// Checks one chunk through the hooks: the writes of its new slots, then
-    /// the attention read of everything up to its last token.
-    fn check_chunk(&self, seq: &Sequence, n: usize) -> Result<(), RequestError> {
-        let ps = self.pool.page_slots();
-        let n_layers = self.model.config().n_layers;
-        let layers = 0..n_layers as u32;
-        // The layers the forward pass really stores for this chunk.
-        let stored = stored_layers(n_layers, n);
-        let stored = stored.start as u32..stored.end as u32;
-        let (start, end) = (seq.computed, seq.computed + n);
-        let mut pos = start;
-        while pos < end {
-            let idx = pos / ps;
-            let hi = (end - idx * ps).min(ps);
-            let verdict = self.hooks.write(
-                self.pool_id,
-                seq.owner,
-                seq.table[idx],
-                (pos - idx * ps) as u32..hi as u32,
-                stored.clone(),
-                self.step,
-            );
-            if !verdict.is_continue() {
-                return Err(violation_error(verdict, &self.name));
-            }
-            pos = idx * ps + hi;
-        }
-        let table = &seq.table[..end.div_ceil(ps)];
-        let verdict = self
-            .hooks
-            .read(self.pool_id, seq.owner, table, end, layers, self.step);
-        if !verdict.is_continue() {
-            return Err(violation_error(verdict, &self.name));
-        }
-        Ok(())
+    /// The batch arrays will be built afresh (the node is idle).
+    pub fn idle(&mut self) {
+        self.batch.reset();
     }
 
     /// Runs one forward step over `plan` (pages already allocated), samples
@@ -255,28 +268,72 @@ impl NodeCore {
     pub fn run(&mut self, seqs: &mut [Sequence], plan: &[Planned]) -> Vec<ChunkOutcome> {
         self.step += 1;
         self.stats.steps += 1;
-        let mut outcomes: Vec<Option<ChunkOutcome>> = plan
+        let rows: Vec<PlannedRow<'_>> = plan
             .iter()
             .map(|p| {
-                self.check_chunk(&seqs[p.seq], p.n)
-                    .err()
-                    .map(ChunkOutcome::Refused)
+                let s = &seqs[p.seq];
+                PlannedRow {
+                    owner: s.owner,
+                    table: &s.table,
+                    tokens: &s.tokens[s.computed..s.computed + p.n],
+                    start: s.computed,
+                    logits: if s.computed + p.n == s.tokens.len() {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
+                }
             })
             .collect();
-        let mut live: Vec<usize> = (0..plan.len()).filter(|&i| outcomes[i].is_none()).collect();
-        let padding = self.padding_rows(seqs, plan, &mut live, &mut outcomes);
-        match self.forward(seqs, plan, &live, padding) {
-            Ok(logits) => self.sample(seqs, plan, &live, &logits, &mut outcomes),
-            Err(_) => {
-                // A checked kernel refused a page of one sequence: find which,
-                // chunk by chunk (one row: no padding), and run the others.
-                for &i in &live {
-                    match self.forward(seqs, plan, &[i], 0) {
-                        Ok(logits) => self.sample(seqs, plan, &[i], &logits, &mut outcomes),
-                        Err(e) => {
-                            outcomes[i] =
-                                Some(ChunkOutcome::Refused(kernel_refusal(&self.name, &e)));
-                        }
+        self.batch.build(&rows, &self.pool);
+        drop(rows);
+        let plan_rows = self.batch.plan_rows().to_vec();
+        let shadow = self.kernel_shadow.as_ref().map(KernelShadowHandle::view);
+        let mut kv = KvAccess::new(
+            &mut self.pool,
+            self.batch.last(),
+            self.check,
+            shadow,
+            &self.hooks,
+            self.pool_id,
+            self.step,
+        );
+        let result = self.model.forward(&mut kv);
+        let faults = kv.finish();
+        let mut outcomes: Vec<Option<ChunkOutcome>> = (0..plan.len()).map(|_| None).collect();
+        let owners = &self.batch.last().owners;
+        // A stopped row stops every row of its request (padding rows repeat
+        // the first row's request).
+        for (row, fault) in &faults {
+            let owner = owners[*row];
+            for (i, p) in plan.iter().enumerate() {
+                if seqs[p.seq].owner == owner && outcomes[i].is_none() {
+                    outcomes[i] = Some(ChunkOutcome::Refused(row_error(&self.name, fault)));
+                }
+            }
+        }
+        match result {
+            Ok(logits) => self.sample(seqs, plan, &plan_rows, &logits, &mut outcomes),
+            Err(e) => {
+                // An invalid batch computes nothing: its row's request is
+                // aborted, the others run again next step.
+                let bad = match &e {
+                    crate::EngineError::InvalidBatch { chunk, .. } => {
+                        plan_rows.get(*chunk).copied().flatten()
+                    }
+                    _ => None,
+                };
+                tracing::error!(node = %self.name, "step refused: {e}");
+                for (i, outcome) in outcomes.iter_mut().enumerate() {
+                    if outcome.is_none() {
+                        *outcome = Some(if bad.is_none_or(|b| b == i) {
+                            ChunkOutcome::Refused(RequestError::new(
+                                ErrorKind::Internal,
+                                e.to_string(),
+                            ))
+                        } else {
+                            ChunkOutcome::NotRun
+                        });
                     }
                 }
             }
@@ -287,146 +344,72 @@ impl NodeCore {
             .collect()
     }
 
-    /// Fault `padding-slot-wrap`: how many padding rows the batch of `live`
-    /// rows gets. A batch of two or more rows is padded to a multiple of
-    /// [`PAD_ROWS_TO`] rows; the padding's write (and attention read) of the
-    /// pool's last slot is reported as what it is, the first row's request
-    /// writing there, before the forward pass. On an abort verdict that row
-    /// is refused and the remaining batch is padded anew.
-    fn padding_rows(
-        &self,
-        seqs: &[Sequence],
-        plan: &[Planned],
-        live: &mut Vec<usize>,
-        outcomes: &mut [Option<ChunkOutcome>],
-    ) -> usize {
-        if !faults::active(Fault::PaddingSlotWrap) {
-            return 0;
-        }
-        while live.len() >= 2 {
-            let pad = live.len().next_multiple_of(PAD_ROWS_TO) - live.len();
-            if pad == 0 {
-                return 0;
-            }
-            match self.check_padding(seqs[plan[live[0]].seq].owner) {
-                Ok(()) => return pad,
-                Err(e) => {
-                    outcomes[live[0]] = Some(ChunkOutcome::Refused(e));
-                    live.remove(0);
-                }
-            }
-        }
-        0
-    }
-
-    /// The `PageRef` a padding row's slot mapping of −1 resolves to: with no
-    /// bounds check, slot −1 of the flat slot array is the last slot of the
-    /// pool's last page, taken at that page's current generation (whoever
-    /// holds it now).
-    fn wrapped_slot_page(&self) -> PageRef {
-        let last = self.pool.n_pages() - 1;
-        PageRef {
-            page: PageId(last as u32),
-            generation: self.pool.generations()[last],
-        }
-    }
-
-    /// Reports a padding row on behalf of `owner` (the batch's first row):
-    /// its one-token write into the pool's last slot, then its attention read
-    /// of the page up to that slot.
-    fn check_padding(&self, owner: Owner) -> Result<(), RequestError> {
-        let ps = self.pool.page_slots();
-        let n_layers = self.model.config().n_layers;
-        let page = self.wrapped_slot_page();
-        let stored = stored_layers(n_layers, 1);
-        let verdict = self.hooks.write(
-            self.pool_id,
-            owner,
-            page,
-            (ps - 1) as u32..ps as u32,
-            stored.start as u32..stored.end as u32,
-            self.step,
-        );
-        if !verdict.is_continue() {
-            return Err(violation_error(verdict, &self.name));
-        }
-        let verdict = self.hooks.read(
-            self.pool_id,
-            owner,
-            &[page],
-            ps,
-            0..n_layers as u32,
-            self.step,
-        );
-        if !verdict.is_continue() {
-            return Err(violation_error(verdict, &self.name));
-        }
-        Ok(())
-    }
-
-    /// One forward pass over the `live` chunks of `plan`, followed by
-    /// `padding` padding rows (fault `padding-slot-wrap`), whose stores come
-    /// after the real rows' and whose outputs are discarded.
-    fn forward(
-        &mut self,
-        seqs: &[Sequence],
-        plan: &[Planned],
-        live: &[usize],
-        padding: usize,
-    ) -> Result<Vec<f32>, crate::EngineError> {
-        let pad_table = [self.wrapped_slot_page()];
-        let pad_pos = self.pool.page_slots() - 1;
-        let mut chunks: Vec<SeqChunk<'_>> = live
-            .iter()
-            .map(|&i| {
-                let (s, n) = (&seqs[plan[i].seq], plan[i].n);
-                SeqChunk {
-                    tokens: &s.tokens[s.computed..s.computed + n],
-                    start_pos: s.computed,
-                    block_table: &s.table,
-                    logits: if s.computed + n == s.tokens.len() {
-                        Logits::Last
-                    } else {
-                        Logits::None
-                    },
-                }
-            })
-            .collect();
-        if let (true, Some(&first)) = (padding > 0, live.first()) {
-            // Each padding row repeats the first row's last token.
-            let (s, n) = (&seqs[plan[first].seq], plan[first].n);
-            let token = &s.tokens[s.computed + n - 1..s.computed + n];
-            chunks.extend((0..padding).map(|_| SeqChunk {
-                tokens: token,
-                start_pos: pad_pos,
-                block_table: &pad_table,
-                logits: Logits::None,
-            }));
-        }
-        self.model.forward(&mut self.pool, &chunks, self.check)
-    }
-
+    /// Samples the next token of every computed chunk that completed its
+    /// context, kernel row by kernel row (the order the logits come in).
     fn sample(
         &self,
         seqs: &mut [Sequence],
         plan: &[Planned],
-        live: &[usize],
+        plan_rows: &[Option<usize>],
         logits: &[f32],
         outcomes: &mut [Option<ChunkOutcome>],
     ) {
         let vocab = self.model.config().vocab_size;
-        let mut row = 0;
-        for &i in live {
+        let batch = self.batch.last();
+        let mut at = 0;
+        for (row, plan_row) in plan_rows.iter().enumerate() {
+            let wants = batch.logits[row] == Logits::Last;
+            let Some(i) = *plan_row else {
+                continue;
+            };
+            let row_logits = wants.then(|| {
+                let l = &logits[at * vocab..(at + 1) * vocab];
+                at += 1;
+                l
+            });
+            if outcomes[i].is_some() {
+                continue;
+            }
             let s = &mut seqs[plan[i].seq];
             s.computed += plan[i].n;
-            let token = if s.computed == s.tokens.len() {
-                let t = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-                row += 1;
-                Some(t)
-            } else {
-                None
+            let token = match row_logits {
+                Some(l) if self.hooks.poison() && l.iter().any(|v| v.is_nan()) => {
+                    outcomes[i] = Some(ChunkOutcome::Refused(RequestError::new(
+                        ErrorKind::Internal,
+                        format!("logits on the {} node are NaN", self.name),
+                    )));
+                    continue;
+                }
+                Some(l) => Some(s.sampler.sample(l)),
+                None => None,
             };
             outcomes[i] = Some(ChunkOutcome::Done(token));
         }
     }
+}
+
+/// The target's kernel shadow of the pool just registered, if it has one
+/// and it covers the pool as the engine laid it out.
+fn kernel_shadow_of(
+    hooks: &Hooks,
+    pool: PoolId,
+    geometry: &PoolGeometry,
+    node: &str,
+) -> Option<KernelShadowHandle> {
+    if !hooks.is_attached() || pool == crate::hooks::UNREGISTERED_POOL {
+        return None;
+    }
+    let Some(handle) = hooks.kernel_shadow(pool) else {
+        tracing::error!(
+            node,
+            "kvsan: the hook target gave no kernel shadow; KV stores and attention reads go unchecked"
+        );
+        return None;
+    };
+    let want = (geometry.pages, geometry.page_slots, geometry.layers);
+    if handle.geometry() != want {
+        tracing::error!(node, shadow = ?handle.geometry(), pool = ?want, "kvsan: the kernel shadow does not cover the pool; KV accesses go unchecked");
+        return None;
+    }
+    Some(handle)
 }

@@ -85,6 +85,7 @@ impl DecodeNode {
     pub fn run(mut self, rx: Receiver<Command>) {
         loop {
             let first = if self.idle() {
+                self.core.idle();
                 match rx.recv() {
                     Ok(c) => Some(c),
                     Err(_) => return,
@@ -191,7 +192,14 @@ impl DecodeNode {
         let context = self.context.min(info.context_length);
         let checked = admission::check(&request, &self.core.model, "decode", context, &limits);
         let request_copy = faults::active(Fault::RejectAsPlaceholder).then(|| request.clone());
-        match checked.and_then(|()| new_sequence(owner, request, Some(events.clone()))) {
+        match checked.and_then(|()| {
+            new_sequence(
+                owner,
+                request,
+                self.core.pool.page_slots(),
+                Some(events.clone()),
+            )
+        }) {
             Ok(seq) => {
                 let _ = self.core.event(owner, RequestEvent::Queued);
                 self.reserve.push_back(seq);
@@ -226,7 +234,7 @@ impl DecodeNode {
         request: Request,
         events: Sender<Event>,
     ) {
-        match new_sequence(owner, request, Some(events)) {
+        match new_sequence(owner, request, self.core.pool.page_slots(), Some(events)) {
             Ok(mut seq) => {
                 seq.placeholder = true;
                 self.reserve.push_back(seq);
@@ -282,7 +290,7 @@ impl DecodeNode {
                 },
                 sampling: *seq.sampler.params(),
                 dst_pool: self.core.pool_id,
-                dst_pages: seq.table.clone(),
+                dst_pages: seq.table.pages().to_vec(),
             };
             if let Err(e) = peer.link.send(ToPrefill::Prefill(order)) {
                 fail(
@@ -481,14 +489,14 @@ impl DecodeNode {
         manifest: &kvsan_sanitizer::Manifest,
         payload: &KvPayload,
     ) -> Option<String> {
-        if manifest.dst_pool != self.core.pool_id || manifest.dst_pages != seq.table {
+        if manifest.dst_pool != self.core.pool_id || manifest.dst_pages != seq.table.pages() {
             return Some(format!(
                 "it targets pages request {} does not hold",
                 seq.owner.request.0
             ));
         }
         let end = manifest.first_token as usize + manifest.tokens as usize;
-        if end > seq.table.len() * self.core.pool.page_slots() {
+        if end > seq.table.capacity() {
             return Some(format!(
                 "tokens up to {end} exceed the {} reserved pages",
                 seq.table.len()
@@ -541,7 +549,7 @@ impl DecodeNode {
         let verdict = self.core.hooks.transfer_commit(
             self.core.pool_id,
             seq.owner,
-            &seq.table,
+            seq.table.pages(),
             seq.prompt_len,
         );
         if !verdict.is_continue() {
@@ -597,7 +605,7 @@ impl DecodeNode {
                 // transfer in flight is taken for one that cannot be
                 // stopped: prefill is not told, and its KV is still
                 // received into the pages (`land_late`).
-                self.unfenced.insert(id, seq.table.clone());
+                self.unfenced.insert(id, seq.table.pages().to_vec());
             } else {
                 self.cancel_at_prefill(id);
             }

@@ -3,6 +3,7 @@
 //! own thread and owns its pool; clients and peers talk to it by messages.
 
 pub(crate) mod admission;
+pub(crate) mod batch;
 pub(crate) mod core;
 pub(crate) mod decode;
 pub(crate) mod prefill;

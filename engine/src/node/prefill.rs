@@ -91,6 +91,7 @@ impl PrefillNode {
         }
         loop {
             if self.sched.is_idle() {
+                self.core.idle();
                 select! {
                     recv(inbox) -> m => match m {
                         Ok(m) => if let Some(exit) = self.inbound(m, link) { return exit; },
@@ -175,7 +176,7 @@ impl PrefillNode {
                 ),
             ));
         }
-        let seq = verdict.and_then(|()| new_sequence(owner, request, None));
+        let seq = verdict.and_then(|()| new_sequence(owner, request, ps, None));
         match seq {
             Ok(seq) => {
                 if self.owns_lifecycle {
@@ -221,7 +222,7 @@ impl PrefillNode {
         let mut done: Vec<(usize, Result<u32, RequestError>)> = Vec::new();
         for (p, outcome) in plan.iter().zip(outcomes) {
             match outcome {
-                ChunkOutcome::Done(None) => {}
+                ChunkOutcome::Done(None) | ChunkOutcome::NotRun => {}
                 ChunkOutcome::Done(Some(first)) => done.push((p.seq, Ok(first))),
                 ChunkOutcome::Refused(e) => done.push((p.seq, Err(e))),
             }
@@ -260,7 +261,7 @@ impl PrefillNode {
             let manifest = Manifest {
                 request: seq.owner,
                 src_pool: self.core.pool_id,
-                src_pages: seq.table.clone(),
+                src_pages: seq.table.pages().to_vec(),
                 dst_pool: dest.pool,
                 dst_pages: dest.pages.clone(),
                 first_token: first as u32,
@@ -270,9 +271,12 @@ impl PrefillNode {
             };
             let mut bytes = Vec::new();
             for (idx, slots) in kv_slices(&manifest, self.core.pool.page_slots()) {
-                self.core
-                    .pool
-                    .pack_slots(seq.table[idx].page, slots, 0..layers, &mut bytes);
+                self.core.pool.pack_slots(
+                    seq.table.pages()[idx].page,
+                    slots,
+                    0..layers,
+                    &mut bytes,
+                );
             }
             let manifest = Manifest {
                 checksum: kv_checksum(&bytes),

@@ -2,7 +2,7 @@
 //! its events go to.
 
 use crossbeam_channel::Sender;
-use kvsan_sanitizer::{Owner, PageRef};
+use kvsan_sanitizer::{BlockTable, Owner};
 
 use crate::request::{Event, FinishReason, RequestError};
 use crate::sampler::Sampler;
@@ -23,7 +23,7 @@ pub(crate) struct Sequence {
     /// Chooses each next token (its state survives preemption).
     pub sampler: Sampler,
     /// The sequence's pages, from token 0.
-    pub table: Vec<PageRef>,
+    pub table: BlockTable,
     /// Positions whose KV is in the pool (`tokens[..computed]`).
     pub computed: usize,
     /// Where the client's events go (`None` on a prefill node: decode answers the client).

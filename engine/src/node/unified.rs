@@ -13,10 +13,12 @@ use crate::request::{ErrorKind, Request, RequestError};
 use crate::sampler::Sampler;
 use crate::scheduler::Scheduler;
 
-/// A fresh sequence for `request` (not yet admitted).
+/// A fresh sequence for `request` (not yet admitted) on a pool of
+/// `page_slots`-slot pages.
 pub(crate) fn new_sequence(
     owner: Owner,
     request: Request,
+    page_slots: usize,
     events: Option<crossbeam_channel::Sender<crate::request::Event>>,
 ) -> Result<Sequence, RequestError> {
     let sampler = Sampler::new(request.sampling)
@@ -28,7 +30,7 @@ pub(crate) fn new_sequence(
         max_tokens: request.max_tokens,
         stop_tokens: request.stop_tokens,
         sampler,
-        table: Vec::new(),
+        table: kvsan_sanitizer::BlockTable::new(page_slots),
         computed: 0,
         events,
         admitted_at: 0,
@@ -76,7 +78,7 @@ pub(crate) fn apply_outcomes(
     for (p, outcome) in plan.iter().zip(outcomes) {
         let seq = &mut sched.running[p.seq];
         match outcome {
-            ChunkOutcome::Done(None) => {}
+            ChunkOutcome::Done(None) | ChunkOutcome::NotRun => {}
             ChunkOutcome::Done(Some(token)) => {
                 if seq.generated() == 0
                     && let Err(e) = core.event(seq.owner, RequestEvent::Decoding)
@@ -155,6 +157,7 @@ pub(crate) fn stats(core: &NodeCore, sched: &Scheduler) -> crate::node::NodeStat
 pub(crate) fn run(mut core: NodeCore, mut sched: Scheduler, context: usize, rx: Receiver<Command>) {
     loop {
         let first = if sched.is_idle() {
+            core.idle();
             match rx.recv() {
                 Ok(c) => Some(c),
                 Err(_) => return,
@@ -220,7 +223,8 @@ fn submit(
         tokens: core.capacity_tokens(),
     }];
     let checked = admission::check(&request, &core.model, &core.name, context, &limits);
-    let seq = checked.and_then(|()| new_sequence(owner, request, Some(events.clone())));
+    let seq = checked
+        .and_then(|()| new_sequence(owner, request, core.pool.page_slots(), Some(events.clone())));
     match seq {
         Ok(seq) => {
             let _ = core.event(owner, RequestEvent::Queued);

@@ -155,18 +155,9 @@ pub trait Link<M>: Send + Sync {
 /// ```
 #[must_use]
 pub fn kv_slices(manifest: &Manifest, page_slots: usize) -> Vec<(usize, std::ops::Range<usize>)> {
-    let start = manifest.first_token as usize;
-    let end = start + manifest.tokens as usize;
-    let mut out = Vec::new();
-    let mut pos = start;
-    while pos < end {
-        let idx = pos / page_slots;
-        let lo = pos % page_slots;
-        let hi = (end - idx * page_slots).min(page_slots);
-        out.push((idx, lo..hi));
-        pos = idx * page_slots + hi;
-    }
-    out
+    kvsan_sanitizer::block_table::entry_slots(manifest.token_range(), page_slots as u32)
+        .map(|(entry, slots)| (entry, slots.start as usize..slots.end as usize))
+        .collect()
 }
 
 /// Bytes of a transfer's payload for `manifest`.

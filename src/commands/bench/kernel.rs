@@ -1,20 +1,21 @@
-//! The in-kernel check on its own: CPU paged-attention decode with and
-//! without the generation check (`paged_attention_decode_checked` compares
-//! every `PageRef` with the pool's generation array before reading), timed
-//! alternately in this process.
+//! The in-kernel check on its own: CPU paged attention of a decode batch,
+//! unchecked and checked against the sanitizer's kernel shadow (every page
+//! touched: owner, generation, the layer's written slots), timed alternately
+//! in this process through the engine's one KV access path.
 //!
 //! Shape: SmolLM2-135M's attention (9 query heads over 3 KV heads of 64,
 //! 16-slot pages), one layer, a batch of 8 sequences of 512 tokens (32 pages
 //! each). The check's work does not depend on the layer count.
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::Instant;
 
-use half::f16;
-use kvsan_kernels::attention::{
-    DecodeSeq, KvGeometry, paged_attention_decode, paged_attention_decode_checked,
-};
-use kvsan_sanitizer::{Generation, PageId, PageRef};
+use kvsan_engine::hooks::Hooks;
+use kvsan_engine::kv_access::{AttentionCheck, KvAccess, Logits, SeqChunk, StepBatch};
+use kvsan_engine::kv_pool::KvPool;
+use kvsan_kernels::attention::KvGeometry;
+use kvsan_sanitizer::{NodeRole, Options, Owner, PageRef, PoolGeometry, PoolId, Sanitizer};
 use serde::Serialize;
 
 const N_HEADS: usize = 9;
@@ -74,67 +75,142 @@ pub fn median(sorted: &[f64]) -> f64 {
     }
 }
 
+/// A decode batch of `seqs` sequences of `seq_len` tokens over a pool of
+/// their pages, owned and fully written in a sanitizer's shadow: what the
+/// checked kernel reads legally, every page checked.
+pub struct DecodeBench {
+    /// The pool.
+    pub pool: KvPool,
+    /// The batch (one decode row per sequence).
+    pub batch: StepBatch,
+    /// The sanitizer shadowing the pool.
+    pub sanitizer: Arc<Sanitizer>,
+    /// Its id for the pool.
+    pub pool_id: PoolId,
+    /// One query per row.
+    pub q: Vec<f32>,
+    /// Query heads.
+    pub n_heads: usize,
+}
+
+impl DecodeBench {
+    /// The batch for `seqs × seq_len` with SmolLM2's attention shape.
+    ///
+    /// # Panics
+    /// If the pool cannot be built (a size no machine refuses here).
+    #[must_use]
+    pub fn new(seqs: usize, seq_len: usize) -> DecodeBench {
+        let geom = KvGeometry {
+            page_slots: 16,
+            n_layers: 1,
+            n_kv_heads: 3,
+            head_dim: 64,
+        };
+        let per_seq = seq_len.div_ceil(geom.page_slots);
+        let n_pages = seqs * per_seq;
+        let mut pool = KvPool::new(geom, n_pages).expect("benchmark pool");
+        for (i, v) in pool.data_mut().iter_mut().enumerate() {
+            *v = half::f16::from_f32(((i * 7) % 13) as f32 / 13.0 - 0.5);
+        }
+        let sanitizer = Arc::new(Sanitizer::with_writer(Options::default(), std::io::sink()));
+        let pool_id = sanitizer
+            .pool_register(PoolGeometry {
+                pages: n_pages as u32,
+                page_slots: geom.page_slots as u32,
+                layers: 1,
+                bytes_per_slot: (geom.slot_width() * 4) as u64,
+                role: NodeRole::Decode,
+                node: "bench".into(),
+            })
+            .expect("register");
+        let mut tables: Vec<Vec<PageRef>> = Vec::with_capacity(seqs);
+        for s in 0..seqs {
+            // Owners as StepBatch::of_chunks numbers them.
+            let owner = Owner::new(s as u64 + 1, 0);
+            let mut table = Vec::with_capacity(per_seq);
+            for _ in 0..per_seq {
+                let page = pool.alloc().expect("a page per slot of the pool");
+                let (_, g) = sanitizer
+                    .alloc(pool_id, page.page, owner, 0)
+                    .expect("alloc");
+                assert_eq!(g, page.generation);
+                let _ = sanitizer.write(pool_id, owner, page, 0..16, 0..1, 0);
+                table.push(page);
+            }
+            tables.push(table);
+        }
+        let token = [0u32];
+        let chunks: Vec<SeqChunk<'_>> = tables
+            .iter()
+            .map(|t| SeqChunk {
+                tokens: &token,
+                start_pos: seq_len - 1,
+                block_table: t,
+                logits: Logits::None,
+            })
+            .collect();
+        let batch = StepBatch::of_chunks(&chunks, geom.page_slots).expect("a covered batch");
+        let n_heads = N_HEADS;
+        let q = (0..seqs * n_heads * geom.head_dim)
+            .map(|i| ((i * 5) % 11) as f32 / 11.0 - 0.5)
+            .collect();
+        DecodeBench {
+            pool,
+            batch,
+            sanitizer,
+            pool_id,
+            q,
+            n_heads,
+        }
+    }
+
+    /// One batched attention call, checked against the shadow or not;
+    /// returns how many rows the kernels stopped (0 here).
+    pub fn attend(&mut self, checked: bool, hooks: &Hooks, out: &mut [f32]) -> usize {
+        let shadow = if checked {
+            Some(self.sanitizer.kernel_shadow(self.pool_id).expect("shadow"))
+        } else {
+            None
+        };
+        let scale = 1.0 / 8.0;
+        let kv = KvAccess::new(
+            &mut self.pool,
+            &self.batch,
+            AttentionCheck::Unchecked,
+            shadow,
+            hooks,
+            self.pool_id,
+            1,
+        );
+        kv.attend(0, self.n_heads, scale, &self.q, out);
+        kv.finish().len()
+    }
+}
+
 /// Times both kernels for `rounds` rounds of `calls` calls each,
 /// alternating unchecked and checked.
+///
+/// # Panics
+/// If the checked kernel refuses a legal read (it must not).
 pub fn measure(rounds: usize, calls: usize) -> KernelCheck {
-    let geom = KvGeometry {
-        page_slots: 16,
-        n_layers: 1,
-        n_kv_heads: 3,
-        head_dim: 64,
-    };
-    let pages_per_seq = SEQ_LEN.div_ceil(geom.page_slots);
-    let n_pages = SEQS * pages_per_seq;
-    let pool: Vec<f16> = (0..n_pages * geom.page_elems())
-        .map(|i| f16::from_f32(((i * 7) % 13) as f32 / 13.0 - 0.5))
-        .collect();
-    let generations: Vec<Generation> = (0..n_pages).map(|_| Generation(3)).collect();
-    let tables: Vec<Vec<PageRef>> = (0..SEQS)
-        .map(|s| {
-            (0..pages_per_seq)
-                .map(|p| PageRef {
-                    page: PageId(u32::try_from(s * pages_per_seq + p).unwrap_or(u32::MAX)),
-                    generation: Generation(3),
-                })
-                .collect()
-        })
-        .collect();
-    let q: Vec<f32> = (0..N_HEADS * geom.head_dim)
-        .map(|i| ((i * 5) % 11) as f32 / 11.0 - 0.5)
-        .collect();
-    let seqs: Vec<DecodeSeq> = tables
-        .iter()
-        .map(|t| DecodeSeq {
-            q: &q,
-            block_table: t,
-            seq_len: SEQ_LEN,
-        })
-        .collect();
-    let mut out = vec![0.0f32; SEQS * N_HEADS * geom.head_dim];
-    let scale = 1.0 / (geom.head_dim as f32).sqrt();
+    let mut bench = DecodeBench::new(SEQS, SEQ_LEN);
+    let hooks = Hooks::sanitizer(bench.sanitizer.clone());
+    let none = Hooks::none();
+    let mut out = vec![0.0f32; bench.q.len()];
     let mut unchecked = Vec::with_capacity(rounds);
     let mut checked = Vec::with_capacity(rounds);
     // One untimed call of each first: page faults and thread start-up.
     for _ in 0..=rounds {
         let t = Instant::now();
         for _ in 0..calls {
-            paged_attention_decode(&pool, &geom, 0, N_HEADS, scale, &seqs, &mut out);
+            black_box(bench.attend(false, &none, &mut out));
             black_box(&out);
         }
         let u = t.elapsed().as_secs_f64() / calls as f64;
         let t = Instant::now();
         for _ in 0..calls {
-            let r = paged_attention_decode_checked(
-                &pool,
-                &geom,
-                0,
-                N_HEADS,
-                scale,
-                &seqs,
-                &mut out,
-                &generations,
-            );
-            black_box(r.is_ok());
+            let refused = bench.attend(true, &hooks, &mut out);
+            assert_eq!(refused, 0, "a legal read was refused");
             black_box(&out);
         }
         let c = t.elapsed().as_secs_f64() / calls as f64;
@@ -148,8 +224,7 @@ pub fn measure(rounds: usize, calls: usize) -> KernelCheck {
     checked.sort_by(f64::total_cmp);
     KernelCheck {
         shape: format!(
-            "decode attention, {SEQS} sequences x {SEQ_LEN} tokens, {N_HEADS} heads over {} KV heads of {}, {}-slot pages, one layer",
-            geom.n_kv_heads, geom.head_dim, geom.page_slots
+            "decode attention, {SEQS} sequences x {SEQ_LEN} tokens, {N_HEADS} heads over 3 KV heads of 64, 16-slot pages, one layer, checked against the kernel shadow"
         ),
         unchecked_us: median(&unchecked) * 1e6,
         checked_us: median(&checked) * 1e6,
