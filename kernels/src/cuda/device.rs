@@ -7,19 +7,27 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use half::f16;
-use kvsan_sanitizer::{Generation, PageId};
+use kvsan_sanitizer::{Generation, KernelShadow, PageId};
 
+use super::CudaRefusal;
+use super::batch::{
+    DecodeOutput, Op, ReadCheck, StoreCheck, decode_arrays, decode_refusals, owner_words,
+    refuse_all, store_arrays,
+};
 use super::error::CudaError;
 use super::pool::{CudaKvPool, page_elems};
 use super::result::{
-    self, CompileTarget, DecodeLaunch, compile, driver_present, nvrtc_present, supported_archs,
+    self, CheckArgs, CompileTarget, DecodeLaunch, StoreLaunch, compile, driver_present,
+    nvrtc_present, supported_archs,
 };
+use super::shadow::{CudaKernelShadow, host_words, shadow_words};
 use super::source::{
-    COPY_KERNEL, CudaSource, DECODE_KERNEL, ERROR_WORDS, MAX_HEAD_DIM, PAGED_ATTENTION, PAGES,
-    POISON_KERNEL, STATUS_GENERATION, STATUS_OK, STATUS_OUT_OF_RANGE,
+    COPY_KERNEL, CudaSource, DECODE_KERNEL, MAX_HEAD_DIM, MODE_BOUNDS, MODE_GENERATIONS,
+    MODE_SHADOW, PAGED_ATTENTION, PAGES, POISON_KERNEL, REFUSAL_WORDS, SHADOW,
+    SHADOW_GATHER_KERNEL, SHADOW_SCATTER_KERNEL, STORE_KERNEL,
 };
-use crate::attention::{DecodeSeq, KvGeometry};
-use crate::error::KernelError;
+use crate::attention::{KvBatch, KvGeometry};
+use crate::guard::RowLedger;
 
 /// Largest grid y dimension: query heads per decode launch.
 const MAX_GRID_Y: usize = 65_535;
@@ -36,8 +44,11 @@ pub struct CudaKernels {
     target: CompileTarget,
     compute_capability: (u32, u32),
     decode: CudaFunction,
+    store: CudaFunction,
     poison: CudaFunction,
     copy: CudaFunction,
+    scatter: CudaFunction,
+    gather: CudaFunction,
 }
 
 impl CudaKernels {
@@ -68,13 +79,17 @@ impl CudaKernels {
         let target = CompileTarget::for_device(major, minor, &supported_archs()?)?;
         let attention = load(&ctx, &PAGED_ATTENTION, target)?;
         let pages = load(&ctx, &PAGES, target)?;
+        let shadow = load(&ctx, &SHADOW, target)?;
         let kernels = CudaKernels {
             stream: ctx.default_stream(),
             target,
             compute_capability: (major, minor),
             decode: function(&attention, DECODE_KERNEL)?,
+            store: function(&attention, STORE_KERNEL)?,
             poison: function(&pages, POISON_KERNEL)?,
             copy: function(&pages, COPY_KERNEL)?,
+            scatter: function(&shadow, SHADOW_SCATTER_KERNEL)?,
+            gather: function(&shadow, SHADOW_GATHER_KERNEL)?,
         };
         kernels.finish("load the kernels")?;
         Ok(kernels)
@@ -163,40 +178,88 @@ impl CudaKernels {
         Ok(pool)
     }
 
-    /// Batched paged-attention decode of `layer` over `pool`: for each
-    /// sequence, each of `n_heads` query heads attends over the sequence's
-    /// `seq_len` tokens, read through its block table. Returns
-    /// `seqs.len() × n_heads × head_dim` values, sequence-major.
+    /// Copies a pool's kernel shadow (the sanitizer's, for the pool this
+    /// device pool mirrors: `Sanitizer::kernel_shadow`) to the device, for
+    /// the batch kernels to check in place ([`ReadCheck::Shadow`],
+    /// [`StoreCheck::Shadow`]).
     ///
-    /// With `checked`, the kernel compares every block-table generation with
-    /// the pool's generation array before reading a page, reads nothing of a
-    /// sequence with a stale entry, and this returns
-    /// [`KernelError::GenerationMismatch`] for the first such sequence
-    /// (lowest index) and its first stale entry, as the CPU kernels'
-    /// `paged_attention_decode_checked` does. A page outside the pool is
-    /// refused ([`KernelError::PageOutOfRange`]) whether checked or not;
-    /// a block table too short for its sequence is refused before launch.
-    /// Queries are rounded to f16 before the dot products, as on the CPU.
-    pub fn decode_attention(
+    /// # Errors
+    /// A shadow too large for the device, or a CUDA failure.
+    pub fn upload_shadow(&self, host: &KernelShadow<'_>) -> Result<CudaKernelShadow, CudaError> {
+        self.finish("an earlier operation")?;
+        let layout = *host.layout();
+        let pages = host.pages();
+        if pages == 0 || layout.stride == 0 {
+            return Err(CudaError::ZeroDimension {
+                what: "pages or written words per page of the kernel shadow",
+            });
+        }
+        to_u32("pages in a kernel shadow", pages)?;
+        to_u32("written words per page", layout.stride)?;
+        let (n_records, n_bits) = shadow_words(pages, &layout)?;
+        let (records, bits) = host_words(host);
+        if records.len() != n_records || bits.len() != n_bits {
+            return Err(CudaError::Length {
+                what: "host shadow words",
+                len: records.len() + bits.len(),
+                expected: n_records + n_bits,
+            });
+        }
+        let records = self.upload(&records, "copy shadow records to the device")?;
+        let bits = self.upload(&bits, "copy written bits to the device")?;
+        self.finish("upload the shadow")?;
+        Ok(CudaKernelShadow {
+            pages,
+            layout,
+            records,
+            bits,
+            scatter: self.scatter.clone(),
+            gather: self.gather.clone(),
+            stream: Arc::clone(&self.stream),
+        })
+    }
+
+    /// Paged-attention decode of `layer` over `pool` for a batch of decode
+    /// rows, as the CPU kernels' [`crate::attend`] computes it for one query
+    /// per row: row `r`'s query (token `r`: `q` is `rows × n_heads ×
+    /// head_dim`) at position `seq_lens[r] - 1` attends over positions
+    /// `0..seq_lens[r]`, read through the row's entries of the block-table
+    /// array (the flat index, as on the CPU). Query head `h` reads KV head
+    /// `h / (n_heads / n_kv_heads)`; queries are rounded to f16 first.
+    ///
+    /// Before any K/V byte of a row is read, the kernel checks every entry
+    /// the row reads — an entry outside the block-table array or a page
+    /// outside the pool always, then what `check` says, for the slots the
+    /// row reads of each page — and reads nothing of a row with a refused
+    /// entry: its output is zero, and the first refused entry (lowest
+    /// index) comes back as a [`CudaRefusal`], given to `ledger` too. Rows
+    /// the ledger has stopped (an earlier refusal in the step) are skipped
+    /// the same way, without a new refusal. `ledger` is the step's, made for
+    /// the batch's rows (`RowLedger::new(rows)`; rows past it count as
+    /// stopped).
+    ///
+    /// # Errors
+    /// Batch arrays that do not fit each other ([`KvBatch::validate`]) or
+    /// with a row of other than one query, a `q` of the wrong length, a
+    /// layer or head count the pool cannot take, a shadow or owners that do
+    /// not fit the pool and the batch, or a CUDA failure. A refused access
+    /// is not an error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_decode(
         &self,
         pool: &CudaKvPool,
         layer: usize,
         n_heads: usize,
         scale: f32,
-        seqs: &[DecodeSeq<'_>],
-        checked: bool,
-    ) -> Result<Vec<f32>, CudaError> {
+        batch: &KvBatch<'_>,
+        q: &[f32],
+        check: ReadCheck<'_>,
+        ledger: &RowLedger,
+    ) -> Result<DecodeOutput, CudaError> {
         self.check_pool(pool)?;
         self.finish("an earlier operation")?;
         let geometry = &pool.geometry;
-        let head_dim = geometry.head_dim;
-        if layer >= geometry.n_layers {
-            return Err(CudaError::OutOfRange {
-                what: "layer",
-                value: layer,
-                limit: geometry.n_layers,
-            });
-        }
+        self.check_layer(geometry, layer)?;
         if n_heads == 0 || !n_heads.is_multiple_of(geometry.n_kv_heads) {
             return Err(CudaError::HeadGrouping {
                 n_heads,
@@ -210,121 +273,232 @@ impl CudaKernels {
                 limit: MAX_GRID_Y,
             });
         }
-        if seqs.is_empty() {
-            return Ok(Vec::new());
+        let arrays = decode_arrays(batch, ledger)?;
+        let rows = batch.rows();
+        let q_len = n_heads * geometry.head_dim;
+        let q_total = rows.checked_mul(q_len).ok_or(CudaError::TooLarge {
+            what: "rows in one launch",
+            value: rows,
+            limit: usize::MAX / q_len,
+        })?;
+        if q.len() != q_total {
+            return Err(CudaError::Length {
+                what: "queries (rows × n_heads × head_dim)",
+                len: q.len(),
+                expected: q_total,
+            });
         }
-        let n_seqs = to_u32("sequences in one decode call", seqs.len())?;
-
-        let q_len = n_heads * head_dim;
-        let mut q = Vec::with_capacity(seqs.len() * q_len);
-        let mut tables = Vec::new();
-        let mut offsets = Vec::with_capacity(seqs.len());
-        let mut lens = Vec::with_capacity(seqs.len());
-        for (seq, s) in seqs.iter().enumerate() {
-            if s.q.len() != q_len {
-                return Err(CudaError::Length {
-                    what: "a sequence's query (n_heads * head_dim)",
-                    len: s.q.len(),
-                    expected: q_len,
-                });
+        let owners = match check {
+            ReadCheck::Shadow { shadow, owners } => {
+                self.check_shadow(shadow, pool)?;
+                Some(owner_words(owners, rows)?)
             }
-            let pages_needed = s.seq_len.div_ceil(geometry.page_slots);
-            if s.block_table.len() < pages_needed {
-                return Err(KernelError::BlockTableTooShort {
-                    seq,
-                    seq_len: s.seq_len,
-                    pages_needed,
-                    block_table_len: s.block_table.len(),
-                }
-                .into());
-            }
-            offsets.push(to_u32(
-                "block-table entries in one decode call",
-                tables.len() / 2,
-            )?);
-            lens.push(to_u32("sequence length", s.seq_len)?);
-            // Pages outside the pool are refused by the kernel, in the same
-            // order as generation mismatches (first sequence, first entry),
-            // as the CPU kernels do.
-            for entry in &s.block_table[..pages_needed] {
-                tables.push(entry.page.0);
-                tables.push(entry.generation.0);
-            }
-            q.extend_from_slice(s.q);
-        }
-        to_u32("block-table entries in one decode call", tables.len() / 2)?;
-        if tables.is_empty() {
-            // Every sequence is empty; the kernel still needs a valid buffer.
-            tables.extend([0, 0]);
+            ReadCheck::Bounds | ReadCheck::Generations => None,
+        };
+        if rows == 0 {
+            return Ok(DecodeOutput::default());
         }
 
-        let q = self.upload(&q, "copy queries to the device")?;
-        let tables = self.upload(&tables, "copy block tables to the device")?;
-        let offsets = self.upload(&offsets, "copy block-table offsets to the device")?;
-        let lens = self.upload(&lens, "copy sequence lengths to the device")?;
-        let mut errors = self
+        let q = self.upload(q, "copy queries to the device")?;
+        let tables = self.upload(&arrays.block_tables, "copy block tables to the device")?;
+        let lens = self.upload(&arrays.seq_lens, "copy sequence lengths to the device")?;
+        let live = self.upload(&arrays.row_live, "copy live rows to the device")?;
+        let owners = owners
+            .map(|o| self.upload(&o, "copy row owners to the device"))
+            .transpose()?;
+        let mut refusals = self
             .stream
-            .alloc_zeros::<u32>(ERROR_WORDS * seqs.len())
-            .map_err(CudaError::driver("allocate the error records"))?;
+            .alloc_zeros::<u32>(REFUSAL_WORDS * rows)
+            .map_err(CudaError::driver("allocate the refusal records"))?;
         let mut out = self
             .stream
-            .alloc_zeros::<f32>(seqs.len() * q_len)
+            .alloc_zeros::<f32>(q_total)
             .map_err(CudaError::driver("allocate the attention output"))?;
+        let (check, mode) = match (check, &owners) {
+            (ReadCheck::Shadow { shadow, .. }, Some(owners)) => (
+                CheckArgs::Shadow {
+                    records: &shadow.records,
+                    bits: &shadow.bits,
+                    stride: to_u32("written words per page", shadow.layout.stride)?,
+                    owners,
+                },
+                MODE_SHADOW,
+            ),
+            (ReadCheck::Generations, _) => {
+                (CheckArgs::Generations(&pool.generations), MODE_GENERATIONS)
+            }
+            _ => (CheckArgs::Bounds, MODE_BOUNDS),
+        };
         let args = DecodeLaunch {
             pool: &pool.pages,
-            generations: &pool.generations,
             n_pages: to_u32("pages in the pool", pool.n_pages)?,
             page_slots: to_u32("page slots", geometry.page_slots)?,
             n_layers: to_u32("layers", geometry.n_layers)?,
             n_kv_heads: to_u32("KV heads", geometry.n_kv_heads)?,
-            head_dim: to_u32("head dimension", head_dim)?,
+            head_dim: to_u32("head dimension", geometry.head_dim)?,
             layer: to_u32("layer", layer)?,
             n_heads: to_u32("query heads", n_heads)?,
             scale,
             q: &q,
             block_tables: &tables,
-            table_offsets: &offsets,
+            n_entries: arrays.n_entries,
+            width: arrays.width,
             seq_lens: &lens,
-            checked: u32::from(checked),
-            n_seqs,
+            row_live: &live,
+            check,
+            rows: to_u32("rows in one launch", rows)?,
         };
         // SAFETY: `check_pool` and `check_geometry` (at pool creation) hold
         // the pool to `n_pages * page_elems` values with non-zero dimensions
         // and head_dim <= MAX_HEAD_DIM; above, layer < n_layers, n_heads is a
-        // non-zero multiple of n_kv_heads and <= 65535, n_seqs >= 1; `q` and
-        // `out` hold n_seqs * n_heads * head_dim values, `errors` ERROR_WORDS
-        // zeroed words per sequence; each sequence's table offset plus
-        // ceil(seq_len / page_slots) entries lie inside `tables`, which was
-        // built from exactly those entries. All buffers live on this stream.
-        unsafe { result::launch_decode(&self.stream, &self.decode, &args, &mut errors, &mut out) }?;
-        let records = self.download(&errors, "copy the error records to the host")?;
-        for (seq, record) in records.chunks_exact(ERROR_WORDS).enumerate() {
-            let (status, index, page) = (record[0], record[1] as usize, PageId(record[2]));
-            match status {
-                STATUS_OK => {}
-                STATUS_GENERATION => {
-                    return Err(KernelError::GenerationMismatch {
-                        seq,
-                        index,
-                        page,
-                        found: Generation(record[3]),
-                        current: Generation(record[4]),
-                    }
-                    .into());
-                }
-                STATUS_OUT_OF_RANGE => {
-                    return Err(KernelError::PageOutOfRange {
-                        seq,
-                        index,
-                        page,
-                        n_pages: pool.n_pages,
-                    }
-                    .into());
-                }
-                status => return Err(CudaError::CorruptErrorRecord { seq, status }),
+        // non-zero multiple of n_kv_heads and <= 65535, 1 <= rows <=
+        // i32::MAX (`decode_arrays`); `q` and `out` hold rows * n_heads *
+        // head_dim values, `lens` and `live` one word per row, `refusals`
+        // REFUSAL_WORDS zeroed words per row; `tables` holds two words for
+        // each of the n_entries = rows * width entries (`KvBatch::validate`),
+        // at least one word. The generation array holds one word per pool page;
+        // a shadow has the pool's pages and layout (`check_shadow`: 2 record
+        // words and `stride` written words per page) and `owners` one word
+        // per row (`owner_words`). All buffers live on this stream.
+        unsafe {
+            result::launch_decode(&self.stream, &self.decode, &args, &mut refusals, &mut out)
+        }?;
+        let records = self.download(&refusals, "copy the refusal records to the host")?;
+        let refusals = decode_refusals(&records, Op::Read, mode, pool.n_pages)?;
+        refuse_all(ledger, &refusals);
+        let out = self.download(&out, "copy the attention output to the host")?;
+        Ok(DecodeOutput { out, refusals })
+    }
+
+    /// Stores each token's K and V of `layer` (`n_kv_heads × head_dim` f32
+    /// each per token in `k` and `v`, converted to f16 rounding to nearest)
+    /// into `pool` where the batch's store slot mapping says, as the CPU
+    /// kernels' [`crate::store_kv`] does: padding tokens are skipped; a
+    /// store slot whose page or slot is outside the pool is refused always,
+    /// then what `check` says (with [`StoreCheck::Shadow`], each store made
+    /// sets its written bit in the device shadow). A refused store writes
+    /// nothing, and neither do the row's later tokens (its earlier ones are
+    /// stored); the row's first refused token comes back as a
+    /// [`CudaRefusal`], given to `ledger` too. Rows the ledger has stopped
+    /// are skipped. `ledger` is the step's, made for the batch's rows.
+    ///
+    /// # Errors
+    /// Batch arrays that do not fit each other, `k` or `v` of the wrong
+    /// length, a layer outside the pool, a shadow or owners that do not fit
+    /// the pool and the batch, or a CUDA failure. A refused store is not an
+    /// error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_kv(
+        &self,
+        pool: &mut CudaKvPool,
+        layer: usize,
+        batch: &KvBatch<'_>,
+        k: &[f32],
+        v: &[f32],
+        check: StoreCheck<'_>,
+        ledger: &RowLedger,
+    ) -> Result<Vec<CudaRefusal>, CudaError> {
+        self.check_pool(pool)?;
+        self.finish("an earlier operation")?;
+        let geometry = pool.geometry;
+        self.check_layer(&geometry, layer)?;
+        let arrays = store_arrays(batch, ledger)?;
+        let (rows, tokens) = (batch.rows(), batch.tokens());
+        let w = geometry.slot_width();
+        let total = tokens.checked_mul(w).ok_or(CudaError::TooLarge {
+            what: "tokens in one launch",
+            value: tokens,
+            limit: usize::MAX / w,
+        })?;
+        for (what, values) in [
+            ("K values (tokens × slot width)", k),
+            ("V values (tokens × slot width)", v),
+        ] {
+            if values.len() != total {
+                return Err(CudaError::Length {
+                    what,
+                    len: values.len(),
+                    expected: total,
+                });
             }
         }
-        self.download(&out, "copy the attention output to the host")
+        let owners = match &check {
+            StoreCheck::Shadow { shadow, owners } => {
+                self.check_shadow(shadow, pool)?;
+                Some(owner_words(owners, rows)?)
+            }
+            StoreCheck::Bounds | StoreCheck::Generations => None,
+        };
+        if tokens == 0 {
+            return Ok(Vec::new());
+        }
+
+        let k = self.upload(k, "copy K to the device")?;
+        let v = self.upload(v, "copy V to the device")?;
+        let slots = self.upload(&arrays.store_slots, "copy the store slots to the device")?;
+        let starts = self.upload(&arrays.query_start, "copy the row offsets to the device")?;
+        let live = self.upload(&arrays.row_live, "copy live rows to the device")?;
+        let owners = owners
+            .map(|o| self.upload(&o, "copy row owners to the device"))
+            .transpose()?;
+        let mut refusals = self
+            .stream
+            .alloc_zeros::<u32>(REFUSAL_WORDS * rows)
+            .map_err(CudaError::driver("allocate the refusal records"))?;
+        let n_pages = pool.n_pages;
+        let CudaKvPool {
+            pages, generations, ..
+        } = pool;
+        let (check, mode) = match (check, &owners) {
+            (StoreCheck::Shadow { shadow, .. }, Some(owners)) => {
+                let stride = to_u32("written words per page", shadow.layout.stride)?;
+                let CudaKernelShadow { records, bits, .. } = shadow;
+                (
+                    CheckArgs::Shadow {
+                        records: &*records,
+                        bits,
+                        stride,
+                        owners,
+                    },
+                    MODE_SHADOW,
+                )
+            }
+            (StoreCheck::Generations, _) => {
+                (CheckArgs::Generations(&*generations), MODE_GENERATIONS)
+            }
+            _ => (CheckArgs::Bounds, MODE_BOUNDS),
+        };
+        let args = StoreLaunch {
+            n_pages: to_u32("pages in the pool", n_pages)?,
+            page_slots: to_u32("page slots", geometry.page_slots)?,
+            n_layers: to_u32("layers", geometry.n_layers)?,
+            n_kv_heads: to_u32("KV heads", geometry.n_kv_heads)?,
+            head_dim: to_u32("head dimension", geometry.head_dim)?,
+            layer: to_u32("layer", layer)?,
+            k: &k,
+            v: &v,
+            store_slots: &slots,
+            query_start: &starts,
+            row_live: &live,
+            check,
+            rows: to_u32("rows in one launch", rows)?,
+            token_blocks: arrays.token_blocks,
+        };
+        // SAFETY: the pool holds n_pages * page_elems values with non-zero
+        // dimensions (its constructor), layer < n_layers (above), 1 <= rows
+        // <= i32::MAX and 1 <= token_blocks <= 256 (`store_arrays`);
+        // `query_start` is rows + 1 offsets rising from 0 to `tokens`
+        // (`KvBatch::validate`), `slots` three words per token, `k` and `v`
+        // tokens * n_kv_heads * head_dim values (checked above, tokens >= 1),
+        // `live` one word per row, `refusals` REFUSAL_WORDS zeroed words per
+        // row. The generation array holds one word per pool page; a shadow
+        // has the pool's pages and layout (`check_shadow`) and `owners` one
+        // word per row. All buffers live on this stream.
+        unsafe { result::launch_store(&self.stream, &self.store, args, pages, &mut refusals) }?;
+        let records = self.download(&refusals, "copy the refusal records to the host")?;
+        let refusals = decode_refusals(&records, Op::Store, mode, n_pages)?;
+        refuse_all(ledger, &refusals);
+        Ok(refusals)
     }
 
     /// Fills every value of each listed page with [`super::POISON_F16_BITS`]
@@ -414,6 +588,29 @@ impl CudaKernels {
             )
         }?;
         self.finish("copy pages")
+    }
+
+    fn check_layer(&self, geometry: &KvGeometry, layer: usize) -> Result<(), CudaError> {
+        if layer < geometry.n_layers {
+            Ok(())
+        } else {
+            Err(CudaError::OutOfRange {
+                what: "layer",
+                value: layer,
+                limit: geometry.n_layers,
+            })
+        }
+    }
+
+    /// Refuses a device shadow of another device or another geometry than `pool`.
+    fn check_shadow(&self, shadow: &CudaKernelShadow, pool: &CudaKvPool) -> Result<(), CudaError> {
+        if shadow.ordinal() != self.ordinal() {
+            return Err(CudaError::WrongDevice {
+                pool_device: shadow.ordinal(),
+                kernels_device: self.ordinal(),
+            });
+        }
+        shadow.check_pool(pool)
     }
 
     fn check_pool(&self, pool: &CudaKvPool) -> Result<(), CudaError> {

@@ -8,9 +8,11 @@ use crate::error::KernelError;
 
 /// What a CUDA operation refused or failed to do.
 ///
-/// Input refusals shared with the CPU kernels (a short block table, a page
-/// outside the pool, a generation mismatch found by the in-kernel tag check)
-/// are [`CudaError::Kernel`], with the same fields the CPU kernels report.
+/// Batch arrays whose shapes do not fit each other are
+/// [`CudaError::Kernel`] with the CPU kernels' [`KernelError::BatchShape`].
+/// What a kernel refuses while it runs (a page outside the pool, a check
+/// that fails) is not an error: it comes back as a per-row
+/// [`super::CudaRefusal`], as the CPU kernels' guards keep it.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CudaError {
@@ -75,8 +77,9 @@ pub enum CudaError {
         /// Oldest architecture NVRTC supports, as `major * 10 + minor`.
         oldest: u32,
     },
-    /// An input refused by the same rules as the CPU kernels, or the in-kernel
-    /// generation check.
+    /// Batch arrays refused by the same rules as the CPU kernels
+    /// ([`crate::KvBatch::validate`]), or a batch the decode kernel does not
+    /// take (not one query per row).
     #[error(transparent)]
     Kernel(#[from] KernelError),
     /// A size beyond what a kernel supports.
@@ -145,13 +148,28 @@ pub enum CudaError {
         /// Device of the kernels.
         kernels_device: usize,
     },
-    /// The decode kernel wrote an error record this host code does not know.
-    #[error("decode kernel wrote unknown status {status} for sequence {seq}")]
-    CorruptErrorRecord {
-        /// Index of the sequence.
-        seq: usize,
-        /// The status word.
-        status: u32,
+    /// A batch kernel wrote a refusal record this host code does not know.
+    #[error("{kernel} wrote unknown refusal code {code} for row {row}")]
+    CorruptRefusal {
+        /// The kernel.
+        kernel: &'static str,
+        /// The batch row.
+        row: usize,
+        /// The code word.
+        code: u32,
+    },
+    /// A device shadow whose geometry differs from the pool's or the host
+    /// shadow's it is used with.
+    #[error("device kernel shadow has {what} = {shadow}, but the {other} has {expected}")]
+    ShadowGeometry {
+        /// The dimension (pages, page slots, layers, words per page).
+        what: &'static str,
+        /// The device shadow's.
+        shadow: usize,
+        /// What it is used with: "pool" or "host shadow".
+        other: &'static str,
+        /// Theirs.
+        expected: usize,
     },
 }
 

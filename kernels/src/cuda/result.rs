@@ -11,7 +11,9 @@ use cudarc::nvrtc::result::NvrtcError;
 use cudarc::nvrtc::sys;
 
 use super::error::CudaError;
-use super::source::{CudaSource, DECODE_THREADS};
+use super::source::{
+    CudaSource, DECODE_THREADS, MODE_BOUNDS, MODE_GENERATIONS, MODE_SHADOW, STORE_THREADS,
+};
 
 /// Whether the CUDA driver library can be loaded. Never panics; cached.
 pub fn driver_present() -> bool {
@@ -328,10 +330,51 @@ pub fn compile(source: &CudaSource, target: CompileTarget) -> Result<CompiledMod
     compiled
 }
 
-/// Arguments of `kvsan_paged_attention_decode`, in its parameter order.
+/// The check buffers of a batch launch, by mode (`MODE_*` in
+/// [`super::source`]). Buffers a mode does not read are passed as null
+/// pointers, which the kernels do not dereference in that mode. `B` is how
+/// the shadow's written words are passed: shared to the decode kernel,
+/// exclusive to the store kernel (which sets bits).
+pub(crate) enum CheckArgs<'a, B> {
+    /// Bounds only.
+    Bounds,
+    /// The pool's generation array (one `u32` per page).
+    Generations(&'a CudaSlice<u32>),
+    /// The device shadow: records (2 words per page), written words
+    /// (`stride` per page), each row's owner.
+    Shadow {
+        records: &'a CudaSlice<u64>,
+        bits: B,
+        stride: u32,
+        owners: &'a CudaSlice<u64>,
+    },
+}
+
+impl<B> CheckArgs<'_, B> {
+    fn mode(&self) -> u32 {
+        match self {
+            CheckArgs::Bounds => MODE_BOUNDS,
+            CheckArgs::Generations(_) => MODE_GENERATIONS,
+            CheckArgs::Shadow { .. } => MODE_SHADOW,
+        }
+    }
+
+    fn stride(&self) -> u32 {
+        match self {
+            CheckArgs::Shadow { stride, .. } => *stride,
+            _ => 0,
+        }
+    }
+}
+
+/// The value a null device pointer argument is pushed as (kernel pointer
+/// parameters are 8 bytes).
+const NULL: u64 = 0;
+
+/// Arguments of `kvsan_paged_attention_decode`, in its parameter order
+/// (the refusal records and the output, which it writes, are passed apart).
 pub(crate) struct DecodeLaunch<'a> {
     pub pool: &'a CudaSlice<u16>,
-    pub generations: &'a CudaSlice<u32>,
     pub n_pages: u32,
     pub page_slots: u32,
     pub n_layers: u32,
@@ -342,46 +385,52 @@ pub(crate) struct DecodeLaunch<'a> {
     pub scale: f32,
     pub q: &'a CudaSlice<f32>,
     pub block_tables: &'a CudaSlice<u32>,
-    pub table_offsets: &'a CudaSlice<u32>,
+    pub n_entries: u64,
+    pub width: u32,
     pub seq_lens: &'a CudaSlice<u32>,
-    pub checked: u32,
-    pub n_seqs: u32,
+    pub row_live: &'a CudaSlice<u32>,
+    pub check: CheckArgs<'a, &'a CudaSlice<u64>>,
+    pub rows: u32,
 }
 
-/// Launches the decode kernel on `stream`: grid `(n_seqs, n_heads)`.
+/// Launches the decode kernel on `stream`: grid `(rows, n_heads)`.
 ///
 /// # Safety
 ///
 /// - `func` is `kvsan_paged_attention_decode` from [`super::source::PAGED_ATTENTION`],
 ///   and every buffer belongs to `stream`'s context.
 /// - `pool.len() == n_pages * page_elems` for the geometry given
-///   (`page_elems = n_layers * 2 * page_slots * n_kv_heads * head_dim`), and
-///   `generations.len() >= n_pages`.
+///   (`page_elems = n_layers * 2 * page_slots * n_kv_heads * head_dim`).
 /// - `page_slots`, `n_kv_heads`, `head_dim` are non-zero, `head_dim <=`
 ///   [`super::source::MAX_HEAD_DIM`], `layer < n_layers`, `n_heads` is a
-///   non-zero multiple of `n_kv_heads`, `1 <= n_seqs` and `n_heads <= 65535`.
-/// - `q` and `out` hold `n_seqs * n_heads * head_dim` values; `seq_lens` and
-///   `table_offsets` hold `n_seqs`; `seq_errors` holds
-///   `ERROR_WORDS * n_seqs` words, zero.
-/// - For every sequence `s`, `block_tables` holds at least
-///   `2 * (table_offsets[s] + ceil(seq_lens[s] / page_slots))` words. (The
-///   pages named need not exist: the kernel refuses those outside the pool.)
+///   non-zero multiple of `n_kv_heads` and `<= 65535`, `1 <= rows <= i32::MAX`.
+/// - `q` and `out` hold `rows * n_heads * head_dim` values; `seq_lens` and
+///   `row_live` hold `rows`; `refusals` holds `REFUSAL_WORDS * rows` words,
+///   zero.
+/// - `block_tables` holds `2 * n_entries` words (at least 1), and
+///   `n_entries == rows * width`. (Pages named need not exist, nor entries
+///   a sequence length reaches: the kernel refuses those outside.)
+/// - With [`CheckArgs::Generations`], the array holds `n_pages` words; with
+///   [`CheckArgs::Shadow`], `records` holds `2 * n_pages` words, `bits`
+///   `n_pages * stride` with `stride >= ceil(n_layers * page_slots / 64)`,
+///   and `owners` `rows`.
 pub(crate) unsafe fn launch_decode(
     stream: &CudaStream,
     func: &CudaFunction,
     args: &DecodeLaunch<'_>,
-    seq_errors: &mut CudaSlice<u32>,
+    refusals: &mut CudaSlice<u32>,
     out: &mut CudaSlice<f32>,
 ) -> Result<(), CudaError> {
     let config = LaunchConfig {
-        grid_dim: (args.n_seqs, args.n_heads, 1),
+        grid_dim: (args.rows, args.n_heads, 1),
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    let mode = args.check.mode();
+    let stride = args.check.stride();
     let mut launch = stream.launch_builder(func);
     launch
         .arg(args.pool)
-        .arg(args.generations)
         .arg(&args.n_pages)
         .arg(&args.page_slots)
         .arg(&args.n_layers)
@@ -392,16 +441,250 @@ pub(crate) unsafe fn launch_decode(
         .arg(&args.scale)
         .arg(args.q)
         .arg(args.block_tables)
-        .arg(args.table_offsets)
+        .arg(&args.n_entries)
+        .arg(&args.width)
         .arg(args.seq_lens)
-        .arg(&args.checked)
-        .arg(seq_errors)
-        .arg(out);
+        .arg(args.row_live)
+        .arg(&mode);
+    match &args.check {
+        CheckArgs::Bounds => launch
+            .arg(&NULL)
+            .arg(&NULL)
+            .arg(&NULL)
+            .arg(&stride)
+            .arg(&NULL),
+        CheckArgs::Generations(generations) => launch
+            .arg(*generations)
+            .arg(&NULL)
+            .arg(&NULL)
+            .arg(&stride)
+            .arg(&NULL),
+        CheckArgs::Shadow {
+            records,
+            bits,
+            owners,
+            ..
+        } => launch
+            .arg(&NULL)
+            .arg(*records)
+            .arg(*bits)
+            .arg(&stride)
+            .arg(*owners),
+    };
+    launch.arg(refusals).arg(out);
     // SAFETY: the argument list matches the kernel's parameters in order and
-    // type (u16/u32/f32 buffers as pointers, u32/f32 scalars by value), and
-    // the caller guarantees every index the kernel forms is inside its buffer.
+    // type (u16/u32/u64/f32 buffers as pointers, u32/u64/f32 scalars by
+    // value, an 8-byte zero as the null pointer of a buffer the mode does
+    // not read), and the caller guarantees every index the kernel forms is
+    // inside its buffer.
     unsafe { launch.launch(config) }
         .map_err(CudaError::driver("launch kvsan_paged_attention_decode"))?;
+    Ok(())
+}
+
+/// Arguments of `kvsan_store_kv`, in its parameter order (the pool and the
+/// refusal records, which it writes, are passed apart).
+pub(crate) struct StoreLaunch<'a> {
+    pub n_pages: u32,
+    pub page_slots: u32,
+    pub n_layers: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub layer: u32,
+    pub k: &'a CudaSlice<f32>,
+    pub v: &'a CudaSlice<f32>,
+    pub store_slots: &'a CudaSlice<u32>,
+    pub query_start: &'a CudaSlice<u32>,
+    pub row_live: &'a CudaSlice<u32>,
+    pub check: CheckArgs<'a, &'a mut CudaSlice<u64>>,
+    pub rows: u32,
+    /// Blocks per row (grid y), each storing every `token_blocks`-th token.
+    pub token_blocks: u32,
+}
+
+/// Launches the store kernel on `stream`: grid `(rows, token_blocks)`.
+///
+/// # Safety
+///
+/// - `func` is `kvsan_store_kv` from [`super::source::PAGED_ATTENTION`], and
+///   every buffer belongs to `stream`'s context.
+/// - `pool.len() == n_pages * page_elems` for the geometry given, every
+///   dimension non-zero, `layer < n_layers`, `1 <= rows <= i32::MAX`,
+///   `1 <= token_blocks <= 65535`.
+/// - `query_start` holds `rows + 1` non-decreasing offsets from 0 to
+///   `tokens`; `store_slots` holds `3 * tokens` words (at least 1); `k` and
+///   `v` hold `tokens * n_kv_heads * head_dim` values (at least 1);
+///   `row_live` holds `rows` words and `refusals` `REFUSAL_WORDS * rows`,
+///   zero. (Store slots need not name pages or slots inside the pool: the
+///   kernel refuses those.)
+/// - With [`CheckArgs::Generations`], the array holds `n_pages` words; with
+///   [`CheckArgs::Shadow`], `records` holds `2 * n_pages` words, `bits`
+///   `n_pages * stride` with `stride >= ceil(n_layers * page_slots / 64)`,
+///   and `owners` `rows`.
+pub(crate) unsafe fn launch_store(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    args: StoreLaunch<'_>,
+    pool: &mut CudaSlice<u16>,
+    refusals: &mut CudaSlice<u32>,
+) -> Result<(), CudaError> {
+    let config = LaunchConfig {
+        grid_dim: (args.rows, args.token_blocks, 1),
+        block_dim: (STORE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mode = args.check.mode();
+    let stride = args.check.stride();
+    let mut launch = stream.launch_builder(func);
+    launch
+        .arg(pool)
+        .arg(&args.n_pages)
+        .arg(&args.page_slots)
+        .arg(&args.n_layers)
+        .arg(&args.n_kv_heads)
+        .arg(&args.head_dim)
+        .arg(&args.layer)
+        .arg(args.k)
+        .arg(args.v)
+        .arg(args.store_slots)
+        .arg(args.query_start)
+        .arg(args.row_live)
+        .arg(&mode);
+    match args.check {
+        CheckArgs::Bounds => launch
+            .arg(&NULL)
+            .arg(&NULL)
+            .arg(&NULL)
+            .arg(&stride)
+            .arg(&NULL),
+        CheckArgs::Generations(generations) => launch
+            .arg(generations)
+            .arg(&NULL)
+            .arg(&NULL)
+            .arg(&stride)
+            .arg(&NULL),
+        CheckArgs::Shadow {
+            records,
+            bits,
+            owners,
+            ..
+        } => launch
+            .arg(&NULL)
+            .arg(records)
+            .arg(bits)
+            .arg(&stride)
+            .arg(owners),
+    };
+    launch.arg(refusals);
+    // SAFETY: the argument list matches the kernel's parameters in order and
+    // type (as for the decode launch), and the caller guarantees every index
+    // the kernel forms is inside its buffer: the kernel writes the pool only
+    // at pages below n_pages and slots below page_slots, and written words
+    // only of those pages.
+    unsafe { launch.launch(config) }.map_err(CudaError::driver("launch kvsan_store_kv"))?;
+    Ok(())
+}
+
+/// Threads per block of the shadow kernels.
+const SHADOW_THREADS: u32 = 256;
+/// Most blocks of a shadow kernel (they stride over larger lists).
+const SHADOW_BLOCKS: u64 = 1024;
+
+fn shadow_grid(words: u64) -> LaunchConfig {
+    let blocks = words
+        .div_ceil(u64::from(SHADOW_THREADS))
+        .clamp(1, SHADOW_BLOCKS);
+    LaunchConfig {
+        grid_dim: (u32::try_from(blocks).unwrap_or(1024), 1, 1),
+        block_dim: (SHADOW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches `kvsan_shadow_scatter`: listed page `k`'s state word, owner and
+/// `stride` written words, from `packed[k * (2 + stride)..]`, into `records`
+/// and `bits`.
+///
+/// # Safety
+///
+/// - `func` is `kvsan_shadow_scatter` from [`super::source::SHADOW`]; every
+///   buffer belongs to `stream`'s context.
+/// - `records.len() == 2 * n_pages`, `bits.len() == n_pages * stride`,
+///   `stride >= 1`; `pages` holds at least one entry and `packed` holds
+///   `pages.len() * (2 + stride)` words. (Pages need not be below
+///   `n_pages`: the kernel skips those.)
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch_shadow_scatter(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    records: &mut CudaSlice<u64>,
+    bits: &mut CudaSlice<u64>,
+    n_pages: u32,
+    stride: u32,
+    pages: &CudaSlice<u32>,
+    packed: &CudaSlice<u64>,
+) -> Result<(), CudaError> {
+    let n_listed = u32::try_from(pages.len()).map_err(|_| CudaError::TooLarge {
+        what: "pages to upload to the device shadow in one call",
+        value: pages.len(),
+        limit: u32::MAX as usize,
+    })?;
+    let config = shadow_grid(u64::from(n_listed) * (2 + u64::from(stride)));
+    let mut launch = stream.launch_builder(func);
+    launch
+        .arg(records)
+        .arg(bits)
+        .arg(&n_pages)
+        .arg(&stride)
+        .arg(pages)
+        .arg(&n_listed)
+        .arg(packed);
+    // SAFETY: arguments match the kernel's parameters in order and type; the
+    // kernel reads `n_listed * (2 + stride)` packed words and writes only
+    // the records and written words of listed pages below n_pages, inside
+    // the buffers by the caller's guarantee.
+    unsafe { launch.launch(config) }.map_err(CudaError::driver("launch kvsan_shadow_scatter"))?;
+    Ok(())
+}
+
+/// Launches `kvsan_shadow_gather_bits`: listed page `k`'s `stride` written
+/// words into `out[k * stride..]`.
+///
+/// # Safety
+///
+/// - `func` is `kvsan_shadow_gather_bits` from [`super::source::SHADOW`];
+///   every buffer belongs to `stream`'s context.
+/// - `bits.len() == n_pages * stride`, `stride >= 1`; `pages` holds at least
+///   one entry and `out` holds `pages.len() * stride` words.
+pub(crate) unsafe fn launch_shadow_gather(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    bits: &CudaSlice<u64>,
+    n_pages: u32,
+    stride: u32,
+    pages: &CudaSlice<u32>,
+    out: &mut CudaSlice<u64>,
+) -> Result<(), CudaError> {
+    let n_listed = u32::try_from(pages.len()).map_err(|_| CudaError::TooLarge {
+        what: "pages to download from the device shadow in one call",
+        value: pages.len(),
+        limit: u32::MAX as usize,
+    })?;
+    let config = shadow_grid(u64::from(n_listed) * u64::from(stride));
+    let mut launch = stream.launch_builder(func);
+    launch
+        .arg(bits)
+        .arg(&n_pages)
+        .arg(&stride)
+        .arg(pages)
+        .arg(&n_listed)
+        .arg(out);
+    // SAFETY: arguments match the kernel's parameters in order and type; the
+    // kernel reads only written words of listed pages below n_pages and
+    // writes `n_listed * stride` words of `out`, inside the buffers by the
+    // caller's guarantee.
+    unsafe { launch.launch(config) }
+        .map_err(CudaError::driver("launch kvsan_shadow_gather_bits"))?;
     Ok(())
 }
 
