@@ -305,7 +305,8 @@ pub enum EngineError {
         context: usize,
     },
 
-    /// A checked attention kernel refused to read a page.
+    /// The KV kernels refused an access of a batch built outside a node
+    /// (`Model::forward_chunks`): a stale tag, a page outside the pool.
     #[error("attention refused: {0}")]
     Attention(#[from] kvsan_kernels::error::KernelError),
 

@@ -198,7 +198,8 @@ impl KvPool {
         Ok(())
     }
 
-    /// The per-page generation array (what checked kernels compare against).
+    /// The per-page generation array (what the KV kernels compare tags with
+    /// when no sanitizer is attached).
     #[must_use]
     pub fn generations(&self) -> &[Generation] {
         &self.generations

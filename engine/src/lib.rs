@@ -1,5 +1,19 @@
 //! kvsan-engine: a GGUF Llama-family inference engine whose KV pool reports
-//! every page event to kvsan's sanitizer hooks.
+//! every page event to kvsan's sanitizer hooks, and whose KV kernels check
+//! every store and attention read against the sanitizer's kernel shadow.
+//!
+//! | module | what lives there |
+//! | --- | --- |
+//! | `gguf`, `tokenizer`, `chat`, `sampler` | the model file, text ↔ tokens, the chat template, sampling |
+//! | `model` | configuration, weights, the forward pass (`forward.rs`), the synthetic model |
+//! | `kv_pool` | pages, generations, the free list, quarantine, poison |
+//! | `kv_access` | the one way the forward pass reaches the pool: the step's batch arrays and the guard its kernels check with |
+//! | `node` | the nodes (unified, prefill, decode), the step every node runs (`core.rs`), the batch builder (`batch.rs`), admission, sequences |
+//! | `scheduler` | continuous batching, chunked prefill, preemption |
+//! | `hooks` | the dispatch to a sanitizer: none, in-process, or a C hook table |
+//! | `transport` | prefill ↔ decode messages and links: in-process, TCP, RDMA |
+//! | `engine` | the serving engine a client submits to |
+//! | `faults` | fail points (feature `faults`) and their leak-oracle scenarios |
 #![warn(missing_docs)]
 
 pub mod chat;

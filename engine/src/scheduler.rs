@@ -276,9 +276,8 @@ impl Scheduler {
 
 /// Tokens `s` could still place: the free slots of its last page plus the free pages.
 fn room_for(core: &NodeCore, s: &Sequence) -> usize {
-    let ps = core.pool.page_slots();
-    let slack = s.table.len() * ps - s.computed.min(s.table.len() * ps);
-    slack + core.pool.free_pages() * ps
+    let slack = s.table.capacity() - s.computed.min(s.table.capacity());
+    slack + core.pool.free_pages() * core.pool.page_slots()
 }
 
 fn capacity_error(seq: &Sequence, core: &NodeCore) -> RequestError {

@@ -30,8 +30,8 @@ use crate::options::{OnViolation, Options, ReportFormat};
 use crate::pool::ShadowPool;
 use crate::report::{PageReport, Report, Sink, exit_process};
 use crate::shadow::{
-    AllocOutcome, FLAG_OWNER_RELEASED, FLAG_SHARED, FreeOutcome, PageState, PageView, ReadCheck,
-    StateWord,
+    AllocOutcome, FLAG_OWNER_RELEASED, FLAG_SHARED, FreeOutcome, Needed, PageState, PageView,
+    ReadCheck, StateWord,
 };
 use crate::stats::{CheckCounters, Checks};
 use crate::transfer::{Manifest, pages_of};
@@ -670,11 +670,27 @@ impl Sanitizer {
                     )),
             ));
         }
+        // What a whole page needs, worked out once; the last page may be partial.
+        let whole = shadow.layout.needed(0..ps as u32, &layers);
         for (i, page) in block_table.iter().enumerate().take(tokens.div_ceil(ps)) {
-            let needed = (tokens - i * ps).min(ps) as u32;
-            if let Some(verdict) =
-                self.read_page(shadow, owner, i, *page, 0..needed, &layers, Some(step))?
-            {
+            let slots = (tokens - i * ps).min(ps) as u32;
+            let partial;
+            let needed = if slots as usize == ps {
+                &whole
+            } else {
+                partial = shadow.layout.needed(0..slots, &layers);
+                &partial
+            };
+            if let Some(verdict) = self.read_page(
+                shadow,
+                owner,
+                i,
+                *page,
+                0..slots,
+                &layers,
+                needed,
+                Some(step),
+            )? {
                 return Ok(verdict);
             }
         }
@@ -694,11 +710,18 @@ impl Sanitizer {
         page: PageRef,
         slots: Range<u32>,
         layers: &Range<u32>,
+        needed: &Needed,
         step: Option<u64>,
     ) -> Result<Option<Verdict>, SanitizerError> {
         let view = shadow.page(page.page)?;
         Ok(
-            match view.check_read(owner.request, page.generation, slots.clone(), layers) {
+            match view.check_read_needed(
+                owner.request,
+                page.generation,
+                slots.clone(),
+                layers,
+                needed,
+            ) {
                 ReadCheck::Ok => None,
                 other => self.read_slow(
                     shadow, view, other, owner, page, index, slots, layers, step, "reading",
@@ -970,6 +993,7 @@ impl Sanitizer {
         }
         let ps = shadow.geometry.page_slots as usize;
         let all = 0..shadow.geometry.layers;
+        let whole = shadow.layout.needed(0..ps as u32, &all);
         let mut short: Option<(usize, PageRef, u32, StateWord)> = None;
         for (i, page) in block_table.iter().enumerate() {
             let view = shadow.page(page.page)?;
@@ -998,7 +1022,13 @@ impl Sanitizer {
                 ));
             }
             let needed = committed_tokens.saturating_sub(i * ps).min(ps) as u32;
+            let written = if needed as usize == ps {
+                view.has(&whole)
+            } else {
+                view.first_unwritten(0..needed, &all).is_none()
+            };
             if short.is_none()
+                && !written
                 && let Some(slot) = view.first_unwritten(0..needed, &all)
             {
                 short = Some((i, *page, slot, word));
@@ -1107,6 +1137,7 @@ impl Sanitizer {
                         access.page,
                         access.slots.clone(),
                         &layers,
+                        &shadow.layout.needed(access.slots.clone(), &layers),
                         Some(step),
                     )?
                     .unwrap_or(Verdict::Continue))

@@ -325,6 +325,72 @@ impl BitLayout {
     }
 }
 
+/// The written bits a check of some slots × layers needs set, word by word
+/// within a page (worked out once per hook call, then one load and compare
+/// per word of each page checked).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Needed {
+    words: Vec<(usize, u64)>,
+}
+
+impl BitLayout {
+    /// What a check of `slots` × `layers` needs.
+    #[must_use]
+    pub fn needed(&self, slots: Range<u32>, layers: &Range<u32>) -> Needed {
+        let mut words = Vec::with_capacity(self.stride.min(16));
+        self.for_each_word(slots, layers, |w, m| words.push((w, m)));
+        Needed { words }
+    }
+
+    /// Calls `f(word, mask)` once for each word of a page holding bits of
+    /// `slots` × `layers`, in word order.
+    #[inline]
+    pub fn for_each_word(
+        &self,
+        slots: Range<u32>,
+        layers: &Range<u32>,
+        mut f: impl FnMut(usize, u64),
+    ) {
+        if slots.is_empty() || layers.is_empty() {
+            return;
+        }
+        let ps = u64::from(self.page_slots);
+        if ps <= 64 && 64 % ps == 0 {
+            // Whole layers per word: the slots' lane mask, once per layer held.
+            let per_word = 64 / ps;
+            let lane = range_mask(slots.start, slots.end);
+            let (first, last) = (
+                u64::from(layers.start) / per_word,
+                (u64::from(layers.end) - 1) / per_word,
+            );
+            for w in first..=last {
+                let lo = (w * per_word).max(u64::from(layers.start));
+                let hi = ((w + 1) * per_word).min(u64::from(layers.end));
+                let mask = (lo..hi).fold(0u64, |m, l| m | lane << ((l - w * per_word) * ps));
+                f(w as usize, mask);
+            }
+            return;
+        }
+        // Layers straddle words: merge each layer's words in order.
+        let mut pending: Option<(usize, u64)> = None;
+        for layer in layers.clone() {
+            for (w, mask) in self.words(layer, slots.clone()) {
+                pending = match pending {
+                    Some((pw, pm)) if pw == w => Some((w, pm | mask)),
+                    Some((pw, pm)) => {
+                        f(pw, pm);
+                        Some((w, mask))
+                    }
+                    None => Some((w, mask)),
+                };
+            }
+        }
+        if let Some((pw, pm)) = pending {
+            f(pw, pm);
+        }
+    }
+}
+
 /// One page's shadow: record, bitmap words and layout, borrowed together.
 #[derive(Clone, Copy, Debug)]
 pub struct PageView<'a> {
@@ -525,16 +591,15 @@ impl PageView<'_> {
     /// Sets the written bits of `slots × layers`.
     #[inline]
     pub(crate) fn set_bits(&self, slots: Range<u32>, layers: &Range<u32>) {
-        for layer in layers.clone() {
-            for (w, mask) in self.layout.words(layer, slots.clone()) {
-                let word = &self.bits[w];
-                // Bits only grow within a generation: skip the locked
-                // instruction when they are already there.
-                if word.load(Ordering::Relaxed) & mask != mask {
-                    word.fetch_or(mask, Ordering::Relaxed);
-                }
+        // One read-modify-write per word touched, not per layer.
+        self.layout.for_each_word(slots, layers, |w, mask| {
+            let word = &self.bits[w];
+            // Bits only grow within a generation: skip the locked
+            // instruction when they are already there.
+            if word.load(Ordering::Relaxed) & mask != mask {
+                word.fetch_or(mask, Ordering::Relaxed);
             }
-        }
+        });
     }
 
     /// A KV write by `who` into `slots × layers` through a `PageRef` at `generation`.
@@ -567,6 +632,16 @@ impl PageView<'_> {
             return Ok(false);
         }
         Ok(self.rec.mark_written(generation))
+    }
+
+    /// Whether every bit `needed` names is set.
+    #[must_use]
+    #[inline]
+    pub fn has(&self, needed: &Needed) -> bool {
+        needed
+            .words
+            .iter()
+            .all(|&(w, m)| self.bits[w].load(Ordering::Relaxed) & m == m)
     }
 
     /// The first of `slots` not written for every layer in `layers`.
@@ -627,6 +702,21 @@ impl PageView<'_> {
         slots: Range<u32>,
         layers: &Range<u32>,
     ) -> ReadCheck {
+        let needed = self.layout.needed(slots.clone(), layers);
+        self.check_read_needed(who, generation, slots, layers, &needed)
+    }
+
+    /// [`PageView::check_read`] with what it needs worked out already
+    /// (`needed` is `layout.needed(slots, layers)`).
+    #[inline]
+    pub fn check_read_needed(
+        &self,
+        who: RequestId,
+        generation: Generation,
+        slots: Range<u32>,
+        layers: &Range<u32>,
+        needed: &Needed,
+    ) -> ReadCheck {
         loop {
             let cur = self.rec.load();
             let found = if cur.generation() != generation {
@@ -649,14 +739,13 @@ impl PageView<'_> {
                 }
             } else if !self.rec.held_by(cur, who) {
                 ReadCheck::NotOwner(cur)
+            } else if self.has(needed) {
+                ReadCheck::Ok
             } else {
-                match self.first_unwritten(slots.clone(), layers) {
-                    None => ReadCheck::Ok,
-                    Some(slot) => ReadCheck::Fail {
-                        kind: ViolationKind::StaleRead,
-                        word: cur,
-                        slot: Some(slot),
-                    },
+                ReadCheck::Fail {
+                    kind: ViolationKind::StaleRead,
+                    word: cur,
+                    slot: self.first_unwritten(slots.clone(), layers),
                 }
             };
             // Validate: nothing moved while owner and bits were read.
@@ -784,6 +873,35 @@ mod tests {
         assert_eq!(view.first_unwritten(60..81, &(0..130)), Some(80));
         assert_eq!(view.first_unwritten(60..81, &(64..129)), None);
         assert_eq!(view.written_layers(80, &(0..130)), 129);
+    }
+
+    #[test]
+    fn word_masks_are_the_union_of_each_layers_bits_for_any_page_size() {
+        for (ps, layers) in [(16, 30), (4, 7), (64, 3), (12, 9), (100, 3), (1, 70)] {
+            let l = BitLayout::new(ps, layers);
+            for (slots, range) in [(0..ps, 0..layers), (1..ps.min(3), 1..layers), (0..1, 0..1)] {
+                let mut want = vec![0u64; l.stride];
+                for layer in range.clone() {
+                    for (w, m) in l.words(layer, slots.clone()) {
+                        want[w] |= m;
+                    }
+                }
+                let mut got = vec![0u64; l.stride];
+                let mut order = Vec::new();
+                l.for_each_word(slots.clone(), &range, |w, m| {
+                    got[w] |= m;
+                    order.push(w);
+                });
+                assert_eq!(
+                    got, want,
+                    "{ps} slots x {layers} layers, {slots:?} x {range:?}"
+                );
+                assert!(
+                    order.windows(2).all(|p| p[0] < p[1]),
+                    "each word once, in order"
+                );
+            }
+        }
     }
 
     #[test]

@@ -26,7 +26,8 @@ pub const SHARDS: usize = 32;
 /// Checks performed so far, by hook.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Checks {
-    /// `read` calls (attention about to read a block table).
+    /// `read` hook calls (an engine about to read a block table; the kvsan
+    /// engine's kernels check in place instead, counted below).
     pub read_calls: u64,
     /// Block-table pages those reads checked.
     pub read_pages: u64,

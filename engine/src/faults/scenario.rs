@@ -106,7 +106,7 @@ pub struct Scenario {
     pub expected: ViolationKind,
     /// The request it aborts.
     pub culprit: Culprit,
-    /// Whether the checked attention kernel alone (no sanitizer hooks)
+    /// Whether the KV kernels' own generation check alone (no sanitizer)
     /// catches the fault, and which request it then aborts (with
     /// `generation-mismatch`).
     pub kernel_check: Option<Culprit>,

@@ -5,7 +5,7 @@
 //! API misuse by the engine (an unknown pool, a page or slot out of range), not
 //! a violation by a request. The adapter logs it, counts it in a sticky
 //! counter ([`SanitizerHooks::errors`]) and lets the request go on — the
-//! engine's own checks (the pool's free-list bookkeeping, the checked kernel)
+//! engine's own checks (the pool's free-list bookkeeping, the KV kernels' bounds)
 //! still stand.
 
 use std::sync::Arc;

@@ -206,7 +206,7 @@ impl NodeCore {
         seq: &mut Sequence,
         tokens: usize,
     ) -> Result<bool, RequestError> {
-        let need = tokens.div_ceil(self.pool.page_slots());
+        let need = seq.table.entries_for(tokens);
         while seq.table.len() < need {
             let Some(page) = self.pool.alloc() else {
                 return Ok(false);

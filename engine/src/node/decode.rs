@@ -251,7 +251,7 @@ impl DecodeNode {
             return;
         }
         while let Some(front) = self.reserve.front() {
-            let need = front.prompt_len.div_ceil(self.core.pool.page_slots());
+            let need = front.table.entries_for(front.prompt_len);
             if need > self.core.pool.free_pages() {
                 break;
             }

@@ -3,7 +3,7 @@
 //! | variant | binary | hook target |
 //! | --- | --- | --- |
 //! | `off`   | release build                        | none |
-//! | `debug` | release build `--features sanitize`  | in-process sanitizer, checked kernel |
+//! | `debug` | release build `--features sanitize`  | in-process sanitizer; the KV kernels check its kernel shadow |
 //! | `shim`  | the `off` binary, `LD_PRELOAD=libkvsan_shim.so` | the shim's C hook table |
 //!
 //! Each build has its own target directory under the workspace's
@@ -47,7 +47,7 @@ pub struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Variant::Off, Variant::Debug, Variant::Shim])]
     pub variants: Vec<Variant>,
     /// Build nothing: `off` runs this binary with no hooks, `debug` runs it
-    /// with the in-process sanitizer and checked kernel attached at run time
+    /// with the in-process sanitizer (and so its kernel-shadow checks) attached at run time
     /// (what `--features sanitize` selects at compile time), `shim` needs
     /// `--shim`.
     #[arg(long)]

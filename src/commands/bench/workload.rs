@@ -56,9 +56,9 @@ pub enum Attach {
     Environment,
     /// No hooks and the plain kernel, whatever the build.
     None,
-    /// The in-process sanitizer (configured by `KVSAN_OPTIONS`) and the
-    /// generation-checked kernel, attached at run time: what feature
-    /// `sanitize` selects at compile time.
+    /// The in-process sanitizer (configured by `KVSAN_OPTIONS`), whose
+    /// kernel shadow the KV kernels then check, attached at run time: what
+    /// feature `sanitize` selects at compile time.
     InProcess,
 }
 
