@@ -188,12 +188,20 @@ impl DecodeBench {
 }
 
 /// Times both kernels for `rounds` rounds of `calls` calls each,
-/// alternating unchecked and checked.
+/// alternating unchecked and checked, on the shape of the module doc.
 ///
 /// # Panics
 /// If the checked kernel refuses a legal read (it must not).
 pub fn measure(rounds: usize, calls: usize) -> KernelCheck {
-    let mut bench = DecodeBench::new(SEQS, SEQ_LEN);
+    measure_shape(SEQS, SEQ_LEN, rounds, calls)
+}
+
+/// [`measure`] on a decode batch of `seqs` sequences of `seq_len` tokens.
+///
+/// # Panics
+/// If the checked kernel refuses a legal read (it must not).
+pub fn measure_shape(seqs: usize, seq_len: usize, rounds: usize, calls: usize) -> KernelCheck {
+    let mut bench = DecodeBench::new(seqs, seq_len);
     let hooks = Hooks::sanitizer(bench.sanitizer.clone());
     let none = Hooks::none();
     let mut out = vec![0.0f32; bench.q.len()];
@@ -224,7 +232,7 @@ pub fn measure(rounds: usize, calls: usize) -> KernelCheck {
     checked.sort_by(f64::total_cmp);
     KernelCheck {
         shape: format!(
-            "decode attention, {SEQS} sequences x {SEQ_LEN} tokens, {N_HEADS} heads over 3 KV heads of 64, 16-slot pages, one layer, checked against the kernel shadow"
+            "decode attention, {seqs} sequences x {seq_len} tokens, {N_HEADS} heads over 3 KV heads of 64, 16-slot pages, one layer, checked against the kernel shadow"
         ),
         unchecked_us: median(&unchecked) * 1e6,
         checked_us: median(&checked) * 1e6,
