@@ -14,6 +14,7 @@
 //! zero violations and a non-zero number of checks.
 
 mod shim_common;
+mod soak_common;
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ use kvsan_engine::request::{ErrorKind, Request};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
 use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, TenantId};
+use soak_common::Rng;
 
 /// Requests per topology.
 const REQUESTS: usize = 600;
@@ -31,22 +33,6 @@ const REQUESTS: usize = 600;
 const IN_FLIGHT: usize = 24;
 const CONTEXT: usize = 512;
 const PREFILL_POOL: usize = 384;
-
-/// SplitMix64: the load is the same on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// What the client meant to do with a request.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]

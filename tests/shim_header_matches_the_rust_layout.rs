@@ -53,7 +53,7 @@ fn rows() -> Vec<(String, i64, String)> {
         KvsanHookTable { size, version_major, version_minor, flags, quarantine_pages, ctx,
                          pool_register, request_event, alloc, free, write, read,
                          transfer_send, transfer_recv, transfer_commit,
-                         kernel_shadow, kernel_refusal }
+                         kernel_shadow, kernel_refusal, request_event_at }
         KvsanKernelShadow { size, layout_version, pages, page_slots, layers, record_size,
                             stride_words, reserved, records, bits, counters }
         KvsanKernelAccess { op, layer, page, slots, entry, reserved }
@@ -132,7 +132,7 @@ fn every_size_offset_and_constant_of_kvsan_h_equals_the_rust_abi() {
     );
     // The documented LP64 sizes.
     for (label, want) in [
-        ("sizeof KvsanHookTable", 112),
+        ("sizeof KvsanHookTable", 120),
         ("offsetof KvsanHookTable.kernel_shadow", 96),
         ("sizeof KvsanKernelShadow", 56),
         ("sizeof KvsanKernelAccess", 32),

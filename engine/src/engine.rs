@@ -245,7 +245,7 @@ impl Engine {
         let dcore = cfg.node(model, dpages, NodeRole::Decode, "decode")?;
         let pair = in_process::pair();
         let (ptx, prx) = unbounded();
-        let mut prefill = PrefillNode::new(pcore, Scheduler::new(cfg.scheduler), context, false);
+        let mut prefill = PrefillNode::new(pcore, Scheduler::new(cfg.scheduler), context);
         let (to_decode, prefill_inbox) = (pair.to_decode, pair.prefill_inbox);
         let pt = spawn("kvsan-prefill", move || {
             prefill.serve(&to_decode, &prefill_inbox, &prx);
@@ -427,7 +427,7 @@ pub fn serve_prefill(
     let context = cfg.context(&model)?;
     let pages = cfg.pages(cfg.prefill_pool_tokens, context, "prefill")?;
     let core = cfg.node(model, pages, NodeRole::Prefill, "prefill")?;
-    let mut node = PrefillNode::new(core, Scheduler::new(cfg.scheduler), context, true);
+    let mut node = PrefillNode::new(core, Scheduler::new(cfg.scheduler), context);
     while let Some((link, inbox)) = connect() {
         if let Exit::Shutdown = node.serve(link.as_ref(), &inbox, &control.rx) {
             break;

@@ -195,6 +195,19 @@ unsafe extern "C" fn kernel_refusal(
     out(unsafe { san(ctx) }.kernel_refusal(PoolId(pool), owner.into(), &access, step))
 }
 
+unsafe extern "C" fn request_event_at(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    event: u32,
+) -> KvsanVerdict {
+    let Some(event) = event_from_code(event) else {
+        return KvsanVerdict::ERROR;
+    };
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.request_event_at(PoolId(pool), owner.into(), event))
+}
+
 /// A version-1.1 table forwarding to `sanitizer`.
 fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
     KvsanHookTable {
@@ -215,6 +228,7 @@ fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
         transfer_commit: Some(commit),
         kernel_shadow: Some(kernel_shadow),
         kernel_refusal: Some(kernel_refusal),
+        request_event_at: Some(request_event_at),
     }
 }
 
@@ -254,6 +268,7 @@ fn a_version_1_0_table_is_attached_without_a_kernel_shadow() {
     // Past its size the engine reads nothing: these must not be used.
     t.kernel_shadow = None;
     t.kernel_refusal = None;
+    t.request_event_at = None;
     // SAFETY: a whole table on the stack (larger than its declared size).
     let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(&t) }.expect("attached"));
     let pool = hooks.pool_register(&geometry(), PoolId(99));
@@ -341,7 +356,7 @@ fn through_the_c_table_a_kernel_read_of_an_unwritten_slot_aborts_with_stale_read
     };
     assert!(
         hooks
-            .request_event(owner, RequestEvent::Admitted)
+            .request_event(pool, owner, RequestEvent::Admitted)
             .is_continue()
     );
     let page = PageRef {

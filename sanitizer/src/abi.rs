@@ -11,7 +11,7 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!
-//!  KvsanHookTable (112 bytes on LP64, #[repr(C)], version 1.1)
+//!  KvsanHookTable (120 bytes on LP64, #[repr(C)], version 1.1)
 //!  offset size
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
@@ -35,6 +35,7 @@
 //!  | 96 |  8 | kernel_shadow   (ctx, u32 pool, KvsanKernelShadow *out)   1.1  |
 //!  |104 |  8 | kernel_refusal  (ctx, u32 pool, KvsanOwner,               1.1  |
 //!  |    |    |                  const KvsanKernelAccess*, u64 step)           |
+//!  |112 |  8 | request_event_at (ctx, u32 pool, KvsanOwner, u32 event)   1.1  |
 //!  +----+----+---------------------------------------------------------------+
 //!  every hook returns KvsanVerdict by value:
 //!  +----+----+---------------------------------------------------------------+
@@ -64,6 +65,11 @@
 //!  request events:  0 queued 1 admitted 2 prefilling 3 transferring
 //!                   4 decoding 5 finished 6 rejected 7 aborted
 //! ```
+//!
+//! `request_event` moves the whole process's view of a request;
+//! `request_event_at` moves the view of the node that owns `pool` only, so
+//! a cancel decode reports does not end prefill's view before prefill is
+//! told — the kvsan engine reports every event this way.
 //!
 //! `read` and `write` are the checks of an engine that calls them itself
 //! (the plain C functions do the same). An engine that can let its kernels
@@ -333,6 +339,13 @@ pub type CommitFn = unsafe extern "C" fn(
 /// unknown).
 pub type KernelShadowFn =
     unsafe extern "C" fn(ctx: *mut c_void, pool: u32, out: *mut KvsanKernelShadow) -> KvsanVerdict;
+/// `request_event_at`: the event as the node that owns `pool` sees it.
+pub type RequestEventAtFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    event: u32,
+) -> KvsanVerdict;
 /// `kernel_refusal`.
 pub type KernelRefusalFn = unsafe extern "C" fn(
     ctx: *mut c_void,
@@ -381,6 +394,10 @@ pub struct KvsanHookTable {
     pub kernel_shadow: Option<KernelShadowFn>,
     /// `kernel_refusal` (version 1.1): see the module documentation.
     pub kernel_refusal: Option<KernelRefusalFn>,
+    /// `request_event_at` (version 1.1): a lifecycle event in the view of
+    /// the node that owns the pool (a disaggregated request has one view per
+    /// node; see `kvsan_sanitizer::Scope`).
+    pub request_event_at: Option<RequestEventAtFn>,
 }
 
 /// Size of a version 1.0 table (without the kernel hooks).

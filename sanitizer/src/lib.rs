@@ -53,7 +53,7 @@ pub use geometry::{NodeRole, PoolGeometry};
 pub use history::{EventKind, HistoryEvent};
 pub use ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId, TenantId};
 pub use kernel_shadow::{AccessOp, Check, KernelAccess, KernelShadow};
-pub use lifecycle::{RequestEvent, RequestState, Transition};
+pub use lifecycle::{RequestEvent, RequestState, Scope, Transition};
 pub use options::{OnViolation, Options, ReportFormat};
 pub use report::{PageReport, Report, ReportBuffer};
 pub use sanitizer::{MAX_POOLS, PageInfo, Sanitizer};

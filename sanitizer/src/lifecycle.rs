@@ -13,11 +13,15 @@
 //! Aborted, and any activity (alloc, write, read, send, receive) after any
 //! terminal state, is `terminal-request-activity`; other moves not drawn are
 //! `illegal-transition`.
+//!
+//! Each node keeps its own view of a request ([`Scope`]): the moves are
+//! judged per view, and activity in a pool is judged by the view of that
+//! pool's node (or by the process's, once it has ended the request).
 
 use dashmap::DashMap;
 use serde::Serialize;
 
-use crate::ids::{RequestId, TenantId};
+use crate::ids::{PoolId, RequestId, TenantId};
 
 /// Where a request is in its life. Also the event that moves it there
 /// ([`RequestEvent`]).
@@ -107,36 +111,134 @@ impl RequestState {
     }
 }
 
-/// What the sanitizer knows of one request.
+/// Whose view of a request an event or a check is about.
+///
+/// A disaggregated request lives on two nodes at once, and a cancel travels
+/// between them: decode aborting a request does not stop the prefill node's
+/// work for it until prefill has been told. So each node keeps its own view
+/// — keyed by the pool its node registered — and a lifecycle event of a
+/// node ([`Scope::Pool`]) moves only that node's view. An event that names
+/// no pool ([`Scope::Process`], an engine with one node, the plain C
+/// `kvsan_request_event`) is the whole process's view, which every node
+/// follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// The whole process.
+    Process,
+    /// The node that owns this pool.
+    Pool(PoolId),
+}
+
+/// One view of a request: whose, and the state there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RequestRecord {
+pub(crate) struct View {
+    pub(crate) scope: Scope,
     pub(crate) state: RequestState,
+}
+
+/// What the sanitizer knows of one request: its tenant, each view, and the
+/// page references it holds in each pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RequestRecord {
     pub(crate) tenant: TenantId,
-    /// Page references held (ownerships plus shares), in every pool.
-    pub(crate) held: u64,
+    pub(crate) views: Vec<View>,
+    held: Vec<(PoolId, u64)>,
+}
+
+impl RequestRecord {
+    pub(crate) fn new(tenant: TenantId) -> RequestRecord {
+        RequestRecord {
+            tenant,
+            views: Vec::with_capacity(2),
+            held: Vec::with_capacity(2),
+        }
+    }
+
+    pub(crate) fn view(&self, scope: Scope) -> Option<&View> {
+        self.views.iter().find(|v| v.scope == scope)
+    }
+
+    /// The view of `scope`, created in state `first` if there is none.
+    pub(crate) fn view_mut(&mut self, scope: Scope, first: RequestState) -> &mut View {
+        match self.views.iter().position(|v| v.scope == scope) {
+            Some(i) => &mut self.views[i],
+            None => {
+                self.views.push(View {
+                    scope,
+                    state: first,
+                });
+                self.views.last_mut().expect("just pushed")
+            }
+        }
+    }
+
+    /// The state that governs activity in `pool`: the process's view when it
+    /// has ended the request, else the pool's node's view, else the
+    /// process's.
+    pub(crate) fn state_at(&self, pool: PoolId) -> Option<RequestState> {
+        let process = self.view(Scope::Process).map(|v| v.state);
+        if process.is_some_and(RequestState::is_terminal) {
+            return process;
+        }
+        self.view(Scope::Pool(pool)).map(|v| v.state).or(process)
+    }
+
+    /// The state a report shows when no pool is involved: the process's
+    /// view, else the latest node view to change.
+    pub(crate) fn state(&self) -> Option<RequestState> {
+        self.view(Scope::Process)
+            .or(self.views.last())
+            .map(|v| v.state)
+    }
+
+    /// Page references held in `scope`'s pool (in every pool for the
+    /// process).
+    pub(crate) fn held(&self, scope: Scope) -> u64 {
+        self.held
+            .iter()
+            .filter(|(p, _)| scope == Scope::Process || scope == Scope::Pool(*p))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    fn add_held(&mut self, pool: PoolId, delta: i64) {
+        match self.held.iter_mut().find(|(p, _)| *p == pool) {
+            Some((_, n)) => *n = n.saturating_add_signed(delta),
+            None => self.held.push((pool, 0u64.saturating_add_signed(delta))),
+        }
+    }
 }
 
 /// Every request seen, keyed by id. A request first seen through a lifecycle
-/// event starts from `Queued`; one first seen through an allocation is taken
-/// as `Admitted`.
+/// event starts that view from `Queued`; one first seen through an
+/// allocation is taken as `Admitted`.
 #[derive(Default)]
 pub(crate) struct Lifecycle {
     pub(crate) requests: DashMap<RequestId, RequestRecord>,
 }
 
 impl Lifecycle {
-    /// The request's state, if known.
+    /// The request's state as reports show it, if known.
     pub(crate) fn state(&self, id: RequestId) -> Option<RequestState> {
-        self.requests.get(&id).map(|r| r.state)
+        self.requests.get(&id).and_then(|r| r.state())
     }
 
-    pub(crate) fn add_held(&self, id: RequestId, tenant: TenantId, delta: i64) {
-        let mut rec = self.requests.entry(id).or_insert(RequestRecord {
-            state: RequestState::Admitted,
-            tenant,
-            held: 0,
-        });
-        rec.held = rec.held.saturating_add_signed(delta);
+    /// The state that governs the request's activity in `pool`, if known.
+    pub(crate) fn state_at(&self, id: RequestId, pool: PoolId) -> Option<RequestState> {
+        self.requests.get(&id).and_then(|r| r.state_at(pool))
+    }
+
+    /// `delta` page references of `id` in `pool`. A request first seen
+    /// here is taken as admitted (in the process's view).
+    pub(crate) fn add_held(&self, id: RequestId, tenant: TenantId, pool: PoolId, delta: i64) {
+        let mut rec = self
+            .requests
+            .entry(id)
+            .or_insert_with(|| RequestRecord::new(tenant));
+        if rec.views.is_empty() {
+            rec.view_mut(Scope::Process, RequestState::Admitted);
+        }
+        rec.add_held(pool, delta);
     }
 }
 

@@ -25,7 +25,7 @@ use crate::geometry::PoolGeometry;
 use crate::history::{Event, EventKind};
 use crate::ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId};
 use crate::kernel_shadow::{AccessOp, KernelAccess, KernelShadow};
-use crate::lifecycle::{Lifecycle, RequestEvent, RequestRecord, RequestState, Transition};
+use crate::lifecycle::{Lifecycle, RequestEvent, RequestRecord, RequestState, Scope, Transition};
 use crate::options::{OnViolation, Options, ReportFormat};
 use crate::pool::ShadowPool;
 use crate::report::{PageReport, Report, Sink, exit_process};
@@ -262,29 +262,61 @@ impl Sanitizer {
         Ok(id)
     }
 
-    /// A request enters the state `event`. Illegal moves are
-    /// `illegal-transition`; any event after Rejected or Aborted is
-    /// `terminal-request-activity`; reaching Finished, Rejected or Aborted
-    /// while holding pages is `page-leak` (the engine frees first).
+    /// A request enters the state `event`, as the whole process sees it
+    /// (an engine of one node; see [`Sanitizer::request_event_at`] for a
+    /// node's own view). Illegal moves are `illegal-transition`; any event
+    /// after Rejected or Aborted is `terminal-request-activity`; reaching
+    /// Finished, Rejected or Aborted while holding pages is `page-leak` (the
+    /// engine frees first).
     pub fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict {
+        self.scoped_event(Scope::Process, owner, event)
+    }
+
+    /// A request enters the state `event` as the node that owns `pool` sees
+    /// it. Each node's view moves on its own: decode aborting a request does
+    /// not end it for the prefill node, which goes on legally until it is
+    /// told and reports its own end. The checks are
+    /// [`Sanitizer::request_event`]'s, judged on the node's view (and an
+    /// event after the process's view was rejected or aborted is
+    /// `terminal-request-activity`); a `page-leak` is judged on the pages
+    /// the request holds in `pool` when its node ends it.
+    ///
+    /// # Errors
+    /// Unknown pool.
+    pub fn request_event_at(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        event: RequestEvent,
+    ) -> Result<Verdict, SanitizerError> {
+        self.pool(pool)?;
+        Ok(self.scoped_event(Scope::Pool(pool), owner, event))
+    }
+
+    fn scoped_event(&self, scope: Scope, owner: Owner, event: RequestEvent) -> Verdict {
         let mut rec = self
             .lifecycle
             .requests
             .entry(owner.request)
-            .or_insert(RequestRecord {
-                state: RequestState::Queued,
-                tenant: owner.tenant,
-                held: 0,
-            });
-        let from = rec.state;
+            .or_insert_with(|| RequestRecord::new(owner.tenant));
+        let process = rec.view(Scope::Process).map(|v| v.state);
+        let view = rec.view_mut(scope, RequestState::Queued);
+        let from = match process {
+            Some(p @ (RequestState::Rejected | RequestState::Aborted))
+                if scope != Scope::Process =>
+            {
+                p
+            }
+            _ => view.state,
+        };
         match from.transition(event) {
             Transition::Legal => {
-                rec.state = event;
-                if !event.is_terminal() || rec.held == 0 {
+                view.state = event;
+                if !event.is_terminal() || rec.held(scope) == 0 {
                     return Verdict::Continue;
                 }
-                let leaked = self.pages_held_by(owner.request, true);
                 drop(rec);
+                let leaked = self.pages_held_by(owner.request, scope, true);
                 self.page_leak(owner, event, &leaked)
             }
             Transition::TerminalActivity => {
@@ -313,9 +345,17 @@ impl Sanitizer {
         }
     }
 
-    fn pages_held_by(&self, who: RequestId, mark_terminal: bool) -> Vec<(PoolId, PageRef)> {
+    /// Pages `who` holds in `scope`'s pool (every pool for the process),
+    /// marking the ones it owns as held by an ended request if asked.
+    fn pages_held_by(
+        &self,
+        who: RequestId,
+        scope: Scope,
+        mark_terminal: bool,
+    ) -> Vec<(PoolId, PageRef)> {
         let mut held = Vec::new();
-        for pool in self.pools.iter().filter_map(OnceLock::get) {
+        let pools = self.pools.iter().filter_map(OnceLock::get);
+        for pool in pools.filter(|p| scope == Scope::Process || scope == Scope::Pool(p.id)) {
             for (page, owned) in pool.pages_held_by(who) {
                 if owned
                     && mark_terminal
@@ -381,17 +421,17 @@ impl Sanitizer {
             .lifecycle
             .requests
             .entry(owner.request)
-            .or_insert(RequestRecord {
-                state: RequestState::Admitted,
-                tenant: owner.tenant,
-                held: 0,
-            });
-        let state = rec.state;
+            .or_insert_with(|| RequestRecord::new(owner.tenant));
+        let state = match rec.state_at(pool) {
+            Some(state) => state,
+            None => rec.view_mut(Scope::Process, RequestState::Admitted).state,
+        };
         let outcome = view.alloc(owner, state.is_terminal());
-        if matches!(outcome, AllocOutcome::Allocated { .. }) {
-            rec.held += 1;
-        }
         drop(rec);
+        if matches!(outcome, AllocOutcome::Allocated { .. }) {
+            self.lifecycle
+                .add_held(owner.request, owner.tenant, pool, 1);
+        }
         match outcome {
             AllocOutcome::Allocated { generation } => {
                 shadow.log(
@@ -487,7 +527,8 @@ impl Sanitizer {
         if released {
             shadow.quarantine(page.page, page.generation);
         }
-        self.lifecycle.add_held(owner.request, owner.tenant, -1);
+        self.lifecycle
+            .add_held(owner.request, owner.tenant, pool, -1);
         Ok(Verdict::Continue)
     }
 
@@ -507,7 +548,7 @@ impl Sanitizer {
     ) -> Result<Verdict, SanitizerError> {
         let shadow = self.pool(pool)?;
         let view = shadow.page(page.page)?;
-        if let Some(state) = self.lifecycle.state(sharer.request)
+        if let Some(state) = self.lifecycle.state_at(sharer.request, pool)
             && state.is_terminal()
         {
             return Ok(self.violation(
@@ -525,7 +566,8 @@ impl Sanitizer {
                     page.page,
                     Event::new(EventKind::Share, sharer, page.generation, None, None),
                 );
-                self.lifecycle.add_held(sharer.request, sharer.tenant, 1);
+                self.lifecycle
+                    .add_held(sharer.request, sharer.tenant, pool, 1);
                 Ok(Verdict::Continue)
             }
             Err(word) => {
@@ -658,7 +700,7 @@ impl Sanitizer {
         Self::check_capacity(shadow, block_table.len(), tokens as u64)?;
         let ps = shadow.geometry.page_slots as usize;
         self.checks.read(tokens.div_ceil(ps) as u64);
-        if let Some(state) = self.lifecycle.state(owner.request)
+        if let Some(state) = self.lifecycle.state_at(owner.request, pool)
             && state.is_terminal()
         {
             return Ok(self.violation(
@@ -808,7 +850,7 @@ impl Sanitizer {
         self.check_layers(shadow, &manifest.layers)?;
         Self::check_capacity(shadow, manifest.src_pages.len(), manifest.token_range().end)?;
         self.checks.transfer();
-        if let Some(v) = self.terminal_transfer(owner, "sending", manifest) {
+        if let Some(v) = self.terminal_transfer(pool, owner, "sending", manifest) {
             return Ok(v);
         }
         let split: Vec<_> = pages_of(manifest.token_range(), shadow.geometry.page_slots).collect();
@@ -880,11 +922,12 @@ impl Sanitizer {
 
     fn terminal_transfer(
         &self,
+        pool: PoolId,
         owner: Owner,
         action: &str,
         manifest: &Manifest,
     ) -> Option<Verdict> {
-        let state = self.lifecycle.state(owner.request)?;
+        let state = self.lifecycle.state_at(owner.request, pool)?;
         state.is_terminal().then(|| {
             self.violation(
                 Finding::new(ViolationKind::TerminalRequestActivity, owner, action).detail(
@@ -917,7 +960,7 @@ impl Sanitizer {
         self.check_layers(shadow, &manifest.layers)?;
         Self::check_capacity(shadow, manifest.dst_pages.len(), manifest.token_range().end)?;
         self.checks.transfer();
-        if let Some(v) = self.terminal_transfer(owner, "receiving", manifest) {
+        if let Some(v) = self.terminal_transfer(pool, owner, "receiving", manifest) {
             return Ok(v);
         }
         for (i, slots) in pages_of(manifest.token_range(), shadow.geometry.page_slots) {
@@ -979,7 +1022,7 @@ impl Sanitizer {
         let shadow = self.pool(pool)?;
         Self::check_capacity(shadow, block_table.len(), committed_tokens as u64)?;
         self.checks.transfer();
-        if let Some(state) = self.lifecycle.state(owner.request)
+        if let Some(state) = self.lifecycle.state_at(owner.request, pool)
             && state.is_terminal()
         {
             return Ok(self.violation(
@@ -1114,7 +1157,7 @@ impl Sanitizer {
                 self.write(pool, who, access.page, access.slots.clone(), layers, step)
             }
             AccessOp::Read => {
-                if let Some(state) = self.lifecycle.state(who.request)
+                if let Some(state) = self.lifecycle.state_at(who.request, pool)
                     && state.is_terminal()
                 {
                     return Ok(self.violation(
@@ -1291,10 +1334,11 @@ impl Sanitizer {
     /// The report a finding makes: page snapshot, slot map and history.
     #[cold]
     fn build_report(&self, id: ViolationId, f: &Finding) -> Report {
-        let accessor_state = self
-            .lifecycle
-            .state(f.accessor.request)
-            .map(RequestState::name);
+        let accessor_state = match f.pool {
+            Some(pool) => self.lifecycle.state_at(f.accessor.request, pool),
+            None => self.lifecycle.state(f.accessor.request),
+        }
+        .map(RequestState::name);
         let page = f.pool.zip(f.page).and_then(|(pool, page)| {
             let shadow = self.pool(pool).ok()?;
             let view = shadow.page(page.page).ok()?;
@@ -1347,7 +1391,7 @@ impl Sanitizer {
                 state: state.name(),
                 owner,
                 owner_state: owner
-                    .and_then(|o| self.lifecycle.state(o.request))
+                    .and_then(|o| self.lifecycle.state_at(o.request, shadow.id))
                     .map(RequestState::name),
                 owner_released: word.has(FLAG_OWNER_RELEASED),
                 sharers: shadow.sharers_of(page.page),

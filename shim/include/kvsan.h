@@ -201,8 +201,10 @@ typedef KvsanVerdict (*KvsanCommitFn)(void *ctx, uint32_t pool, KvsanOwner owner
 typedef KvsanVerdict (*KvsanKernelShadowFn)(void *ctx, uint32_t pool, KvsanKernelShadow *out);
 typedef KvsanVerdict (*KvsanKernelRefusalFn)(void *ctx, uint32_t pool, KvsanOwner owner,
                                              const KvsanKernelAccess *access, uint64_t step);
+typedef KvsanVerdict (*KvsanRequestEventAtFn)(void *ctx, uint32_t pool, KvsanOwner owner,
+                                              uint32_t event);
 
-/* Version 1.1, 112 bytes on LP64 (1.0 ends before kernel_shadow, 96 bytes).
+/* Version 1.1, 120 bytes on LP64 (1.0 ends before kernel_shadow, 96 bytes).
  * `size` first; a newer minor only appends. */
 typedef struct KvsanHookTable {
     uint32_t size;
@@ -222,6 +224,7 @@ typedef struct KvsanHookTable {
     KvsanCommitFn transfer_commit;
     KvsanKernelShadowFn kernel_shadow;   /* 1.1 */
     KvsanKernelRefusalFn kernel_refusal; /* 1.1 */
+    KvsanRequestEventAtFn request_event_at; /* 1.1 */
 } KvsanHookTable;
 
 /* The table, valid for the rest of the process; NULL if the library refused
@@ -243,8 +246,13 @@ int32_t kvsan_attached(void);
 /* Registers a pool; geometry_size = sizeof(KvsanPoolGeometry). */
 int32_t kvsan_pool_register(const KvsanPoolGeometry *geometry, size_t geometry_size,
                             uint32_t *pool_out);
-/* A request enters state `event` (KVSAN_EVENT_*). */
+/* A request enters state `event` (KVSAN_EVENT_*), in the whole process's view. */
 int32_t kvsan_request_event(KvsanOwner owner, uint32_t event, KvsanVerdict *verdict_out);
+/* The same in the view of the node that owns `pool`: in a disaggregated
+ * engine each node reports its own events, and one node ending a request
+ * (a cancel) does not end it for its peer until the peer reports its end. */
+int32_t kvsan_request_event_at(uint32_t pool, KvsanOwner owner, uint32_t event,
+                               KvsanVerdict *verdict_out);
 
 /* ---- page events ---------------------------------------------------------- */
 

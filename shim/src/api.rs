@@ -174,6 +174,29 @@ pub unsafe extern "C" fn kvsan_request_event(
     }
 }
 
+/// A request enters state `event` as the node that owns `pool` sees it: a
+/// disaggregated engine reports each node's events this way, so a cancel
+/// one node reports does not end the request for its peer before the peer
+/// is told (it reports its own end then).
+///
+/// # Safety
+/// - `verdict_out` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvsan_request_event_at(
+    pool: u32,
+    owner: KvsanOwner,
+    event: u32,
+    verdict_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_request_event_at";
+    // SAFETY: the caller's contract on `verdict_out`.
+    unsafe {
+        checked(CALL, verdict_out, || {
+            calls::request_event_at(CALL, pool, owner, event)
+        })
+    }
+}
+
 /// The engine took page `page` of `pool` from its free list for `owner`;
 /// writes the page's new `KvsanPageRef` (its tag for the block table).
 ///

@@ -174,20 +174,37 @@ pub(crate) fn pool_register(call: &'static str, g: PoolGeometry) -> Result<PoolI
     Ok(id)
 }
 
-/// A lifecycle event by C code.
+/// The request event of a C event code.
+fn event(call: &'static str, code: u32) -> Result<kvsan_sanitizer::RequestEvent, ShimError> {
+    event_from_code(code).ok_or(ShimError::InvalidArgument {
+        call,
+        argument: "event",
+        value: code.into(),
+        allowed: "0 queued .. 7 aborted",
+    })
+}
+
+/// A lifecycle event by C code, in the whole process's view.
 pub(crate) fn request_event(
     call: &'static str,
     o: KvsanOwner,
-    event: u32,
+    code: u32,
 ) -> Result<Verdict, ShimError> {
     let o = owner(call, o)?;
-    let event = event_from_code(event).ok_or(ShimError::InvalidArgument {
-        call,
-        argument: "event",
-        value: event.into(),
-        allowed: "0 queued .. 7 aborted",
-    })?;
-    Ok(san()?.request_event(o, event))
+    Ok(san()?.request_event(o, event(call, code)?))
+}
+
+/// A lifecycle event by C code, in the view of the node that owns `pool`.
+pub(crate) fn request_event_at(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    code: u32,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .request_event_at(PoolId(pool), o, event(call, code)?)
+        .map_err(sanitizer_error(call))
 }
 
 /// Allocation of page index `page`; returns the verdict and the page's new

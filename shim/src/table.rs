@@ -52,6 +52,7 @@ fn build(options: &kvsan_sanitizer::Options) -> Table {
         transfer_commit: Some(transfer_commit),
         kernel_shadow: Some(kernel_shadow),
         kernel_refusal: Some(kernel_refusal),
+        request_event_at: Some(request_event_at),
     })
 }
 
@@ -104,6 +105,17 @@ unsafe extern "C" fn pool_register(
 extern "C" fn request_event(_ctx: *mut c_void, owner: KvsanOwner, event: u32) -> KvsanVerdict {
     verdict(guarded("request_event", || {
         calls::request_event("request_event", owner, event)
+    }))
+}
+
+extern "C" fn request_event_at(
+    _ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    event: u32,
+) -> KvsanVerdict {
+    verdict(guarded("request_event_at", || {
+        calls::request_event_at("request_event_at", pool, owner, event)
     }))
 }
 

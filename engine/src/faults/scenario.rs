@@ -567,9 +567,11 @@ impl Scenario {
 /// 16 decode tokens) comes off the top of the free list, one of them, and
 /// holds its decode KV; under the fault the victim's KV lands there after
 /// the filler's prefill, and the probe reads it for the rest of its answer.
-/// With the sanitizer, prefill's first work for the victim, which decode
-/// has reported aborted, is refused (terminal-request-activity), so nothing
-/// is sent and the probe gets a correct engine's answer.
+/// With the sanitizer, prefill, never told of the cancel, computes and
+/// ships the victim legally (its own view of the request is live); decode,
+/// which aborted it, receives the late KV, and that receipt is refused
+/// (terminal-request-activity) before a byte lands, so the probe gets a
+/// correct engine's answer.
 ///
 /// Orderings: reservations and prefills go in submission order, so the
 /// filler's prefill comes before the victim's; the cancel is sent once the
@@ -597,10 +599,11 @@ fn free_during_transfer(engine: &Engine, seed: u32) -> ScenarioRun {
 /// completion is committed: the victim decodes its 8 tokens through its old
 /// block table, and its first 7 write their KV into slots 8 to 14 of its
 /// last page, the probe's third new page, which the probe attends over for
-/// the rest of its answer. With the sanitizer, as for `free-during-transfer`,
-/// prefill's first work for the cancelled victim is refused
-/// (terminal-request-activity), prefill reports it failed, decode drops the
-/// record, and the probe gets a correct engine's answer.
+/// the rest of its answer. With the sanitizer, prefill, never told, computes
+/// and ships the victim legally; decode drops its KV and commits its
+/// completion, and the commit of a request decode aborted is refused
+/// (terminal-request-activity) before the victim decodes a step, so the
+/// probe gets a correct engine's answer.
 ///
 /// The margins are those of `free-during-transfer` with 48 decode steps
 /// (three pages) in place of 16 for the probe to take the victim's pages

@@ -249,6 +249,7 @@ impl CTableHooks {
             for (name, null) in [
                 ("kernel_shadow", copy.kernel_shadow.is_none()),
                 ("kernel_refusal", copy.kernel_refusal.is_none()),
+                ("request_event_at", copy.request_event_at.is_none()),
             ] {
                 if null {
                     return Err(rejected(format!("its `{name}` hook is null")));
@@ -352,10 +353,16 @@ impl KvHooks for CTableHooks {
         (v.code == KVSAN_VERDICT_CONTINUE).then_some(PoolId(id))
     }
 
-    fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict {
-        // SAFETY: validated table; arguments by value.
-        let v =
-            unsafe { hook!(self.request_event)(self.table.ctx, owner.into(), event_code(event)) };
+    fn request_event(&self, pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict {
+        let v = match self.table.request_event_at {
+            // SAFETY: validated table (a 1.1 table's hook); arguments by value.
+            Some(f) => unsafe { f(self.table.ctx, pool.0, owner.into(), event_code(event)) },
+            // A 1.0 library knows only the process's view.
+            // SAFETY: validated table; arguments by value.
+            None => unsafe {
+                hook!(self.request_event)(self.table.ctx, owner.into(), event_code(event))
+            },
+        };
         self.verdict(Hook::RequestEvent, v)
     }
 

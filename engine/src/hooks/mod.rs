@@ -64,8 +64,10 @@ pub trait KvHooks: Send + Sync {
     /// A pool was created; returns the id the target knows it by, or `None`
     /// if the target refused it (it says why in its own log).
     fn pool_register(&self, geometry: &PoolGeometry) -> Option<PoolId>;
-    /// A request entered `event`'s state.
-    fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict;
+    /// A request entered `event`'s state, as the node that owns `pool`
+    /// sees it (each node of a disaggregated deployment has its own view:
+    /// `kvsan_sanitizer::Scope`).
+    fn request_event(&self, pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict;
     /// `page` (at its new generation) was taken from the free list for `owner`.
     fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict;
     /// `owner` returns `page` to the pool.
@@ -380,8 +382,8 @@ impl Hooks {
 
     /// See [`KvHooks::request_event`].
     #[inline]
-    pub fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict {
-        dispatch!(self, request_event(owner, event))
+    pub fn request_event(&self, pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict {
+        dispatch!(self, request_event(pool, owner, event))
     }
 
     /// See [`KvHooks::alloc`].

@@ -82,8 +82,11 @@ impl KvHooks for SanitizerHooks {
         }
     }
 
-    fn request_event(&self, owner: Owner, event: RequestEvent) -> Verdict {
-        self.sanitizer.request_event(owner, event)
+    fn request_event(&self, pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict {
+        self.verdict(
+            "request_event",
+            self.sanitizer.request_event_at(pool, owner, event),
+        )
     }
 
     fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {

@@ -191,9 +191,10 @@ impl NodeCore {
         self.pool.n_pages() * self.pool.page_slots()
     }
 
-    /// Reports a lifecycle event; an abort verdict becomes the request's error.
+    /// Reports a lifecycle event in this node's view of the request; an
+    /// abort verdict becomes the request's error.
     pub fn event(&self, owner: Owner, event: RequestEvent) -> Result<(), RequestError> {
-        match self.hooks.request_event(owner, event) {
+        match self.hooks.request_event(self.pool_id, owner, event) {
             Verdict::Continue => Ok(()),
             v => Err(violation_error(v, &self.name)),
         }

@@ -1,6 +1,13 @@
 //! The decode node of a disaggregated deployment: admits requests, reserves
 //! pages for their prompts, has the prefill node push the prompts' KV into
 //! them, commits, and generates.
+//!
+//! A request cancelled while its KV is on its way is answered at once, but
+//! its pages stay reserved ("draining") until the prefill node acknowledges
+//! the cancel — its completion, its failure, or the cancel's own
+//! acknowledgement — so KV already on the wire (an RDMA WRITE in flight)
+//! can only land in pages the request still holds. Then the pages are
+//! freed and the request ends in this node's view.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -44,6 +51,9 @@ pub(crate) struct DecodeNode {
     reserve: VecDeque<Sequence>,
     /// Pages reserved, KV on its way from prefill.
     transferring: HashMap<RequestId, Sequence>,
+    /// Cancelled while their KV was on its way: answered, pages kept until
+    /// prefill acknowledges.
+    draining: HashMap<RequestId, Sequence>,
     /// Fault `free-during-transfer`: requests cancelled while their KV was
     /// on its way, whose transfer was never fenced, with the destination
     /// pages it still lands in.
@@ -71,6 +81,7 @@ impl DecodeNode {
             unchecked: VecDeque::new(),
             reserve: VecDeque::new(),
             transferring: HashMap::new(),
+            draining: HashMap::new(),
             unfenced: HashMap::new(),
             left_for_cleanup: HashMap::new(),
             tx,
@@ -168,7 +179,7 @@ impl DecodeNode {
 
     fn submit(&mut self, owner: Owner, request: Request, events: Sender<Event>) {
         let Some(peer) = &self.peer else {
-            let _ = self.core.hooks.request_event(owner, RequestEvent::Aborted);
+            let _ = self.core.event(owner, RequestEvent::Aborted);
             let _ = events.send(Event::Error(RequestError::new(
                 ErrorKind::Transport,
                 "no prefill node is connected to this decode node",
@@ -210,7 +221,7 @@ impl DecodeNode {
                 } else {
                     RequestEvent::Aborted
                 };
-                let _ = self.core.hooks.request_event(owner, event);
+                let _ = self.core.event(owner, event);
                 tracing::info!(node = %self.core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
                 let over_prefill = e.rejection.as_ref().is_some_and(|r| r.node == "prefill");
                 if over_prefill && let Some(request) = request_copy {
@@ -317,6 +328,8 @@ impl DecodeNode {
                 self.left_for_cleanup.remove(&request);
                 if let Some(seq) = self.transferring.remove(&request) {
                     fail(&mut self.core, seq, error);
+                } else {
+                    self.drained(request);
                 }
             }
             Inbound::Disconnected { reason } => {
@@ -354,6 +367,11 @@ impl DecodeNode {
     fn receive(&mut self, transfer: KvTransfer) {
         let KvTransfer { manifest, payload } = transfer;
         let id = manifest.request.request;
+        if self.draining.contains_key(&id) {
+            // Cancelled: what was on the wire is dropped (an RDMA WRITE has
+            // landed in pages the request still holds).
+            return;
+        }
         let Some(seq) = self.transferring.get(&id) else {
             if self.left_for_cleanup.contains_key(&id) {
                 // Fault `commit-after-abort`: the cancelled request's KV is
@@ -539,6 +557,10 @@ impl DecodeNode {
             Some(seq) => (seq, false),
             None => match self.left_for_cleanup.remove(&request) {
                 Some(seq) => (seq, true),
+                None if self.draining.contains_key(&request) => {
+                    self.drained(request);
+                    return;
+                }
                 None => {
                     self.unfenced.remove(&request);
                     tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
@@ -606,16 +628,22 @@ impl DecodeNode {
                 // stopped: prefill is not told, and its KV is still
                 // received into the pages (`land_late`).
                 self.unfenced.insert(id, seq.table.pages().to_vec());
-            } else {
-                self.cancel_at_prefill(id);
+                fail(&mut self.core, seq, cancelled);
+                return;
             }
-            fail(&mut self.core, seq, cancelled);
+            // Drain: the client has its answer now; the pages stay the
+            // request's until prefill acknowledges the cancel.
+            let mut seq = seq;
+            seq.fail(cancelled);
+            seq.events = None;
+            self.cancel_at_prefill(id);
+            self.draining.insert(id, seq);
         } else if let Some(i) = self.reserve.iter().position(|s| s.owner.request == id) {
             let seq = self.reserve.remove(i).expect("index found");
             fail(&mut self.core, seq, cancelled);
         } else if let Some(i) = self.unchecked.iter().position(|(o, ..)| o.request == id) {
             let (owner, _, events) = self.unchecked.remove(i).expect("index found");
-            let _ = self.core.hooks.request_event(owner, RequestEvent::Aborted);
+            let _ = self.core.event(owner, RequestEvent::Aborted);
             let _ = events.send(Event::Error(cancelled));
         } else {
             unified::cancel(&mut self.core, &mut self.sched, id);
@@ -636,11 +664,28 @@ impl DecodeNode {
         self.left_for_cleanup.insert(seq.owner.request, seq);
     }
 
+    /// Prefill acknowledged a cancelled request (or the link to it is
+    /// gone): nothing more lands in its pages, which are freed now, and the
+    /// request ends in this node's view.
+    fn drained(&mut self, request: RequestId) {
+        if let Some(seq) = self.draining.remove(&request) {
+            fail(
+                &mut self.core,
+                seq,
+                RequestError::new(ErrorKind::Cancelled, "cancelled by the client"),
+            );
+        }
+    }
+
     /// Aborts every request that still needs the prefill node; frees their pages.
     fn fail_waiting_for_prefill(&mut self, why: &str) {
         let error = RequestError::new(ErrorKind::Transport, why);
         self.unfenced.clear();
         self.left_for_cleanup.clear();
+        let drained: Vec<RequestId> = self.draining.keys().copied().collect();
+        for request in drained {
+            self.drained(request);
+        }
         let waiting: Vec<Sequence> = self
             .transferring
             .drain()
@@ -651,7 +696,7 @@ impl DecodeNode {
             fail(&mut self.core, seq, error.clone());
         }
         for (owner, _, events) in std::mem::take(&mut self.unchecked) {
-            let _ = self.core.hooks.request_event(owner, RequestEvent::Aborted);
+            let _ = self.core.event(owner, RequestEvent::Aborted);
             let _ = events.send(Event::Error(error.clone()));
         }
     }

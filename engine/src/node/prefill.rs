@@ -1,6 +1,13 @@
 //! The prefill node of a disaggregated deployment: computes prompts' KV in
 //! its own pool (continuous batching, chunked prefill) and pushes it into the
 //! pages the decode node reserved, then the first token.
+//!
+//! It reports its own view of each request's lifecycle (queued, admitted,
+//! prefilling, transferring, then finished, rejected or aborted) in the
+//! scope of its pool: decode cancelling a request does not end it here
+//! until the cancel arrives. A cancel is acknowledged (`PrefillFailed`,
+//! kind `cancelled`) once nothing more will be sent for the request, so
+//! decode can free the pages the KV was going to.
 
 use std::collections::HashMap;
 
@@ -35,10 +42,6 @@ pub(crate) struct PrefillNode {
     pub core: NodeCore,
     pub sched: Scheduler,
     pub context: usize,
-    /// Whether this node reports the end of a request's lifecycle (a prefill
-    /// process of its own does; a prefill node sharing a sanitizer with its
-    /// decode node leaves that to decode).
-    pub owns_lifecycle: bool,
     dests: HashMap<RequestId, Destination>,
 }
 
@@ -51,17 +54,11 @@ pub(crate) enum Exit {
 }
 
 impl PrefillNode {
-    pub fn new(
-        core: NodeCore,
-        sched: Scheduler,
-        context: usize,
-        owns_lifecycle: bool,
-    ) -> PrefillNode {
+    pub fn new(core: NodeCore, sched: Scheduler, context: usize) -> PrefillNode {
         PrefillNode {
             core,
             sched,
             context,
-            owns_lifecycle,
             dests: HashMap::new(),
         }
     }
@@ -139,6 +136,11 @@ impl PrefillNode {
                 if let Some(seq) = self.sched.take(request) {
                     self.end(seq, RequestEvent::Aborted);
                 }
+                // Nothing more goes out for it: decode may free its pages.
+                let _ = link.send(ToDecode::PrefillFailed {
+                    request,
+                    error: RequestError::new(ErrorKind::Cancelled, "cancelled by decode"),
+                });
                 None
             }
             Inbound::Disconnected { reason } => {
@@ -179,9 +181,7 @@ impl PrefillNode {
         let seq = verdict.and_then(|()| new_sequence(owner, request, ps, None));
         match seq {
             Ok(seq) => {
-                if self.owns_lifecycle {
-                    let _ = self.core.event(owner, RequestEvent::Queued);
-                }
+                let _ = self.core.event(owner, RequestEvent::Queued);
                 self.dests.insert(
                     owner.request,
                     Destination {
@@ -192,14 +192,12 @@ impl PrefillNode {
                 self.sched.waiting.push_back(seq);
             }
             Err(error) => {
-                if self.owns_lifecycle {
-                    let event = if error.kind == ErrorKind::Rejected {
-                        RequestEvent::Rejected
-                    } else {
-                        RequestEvent::Aborted
-                    };
-                    let _ = self.core.hooks.request_event(owner, event);
-                }
+                let event = if error.kind == ErrorKind::Rejected {
+                    RequestEvent::Rejected
+                } else {
+                    RequestEvent::Aborted
+                };
+                let _ = self.core.event(owner, event);
                 tracing::info!(node = %self.core.name, request = owner.request.0, "prefill refused: {}", error.message);
                 let _ = link.send(ToDecode::PrefillFailed {
                     request: owner.request,
@@ -299,10 +297,8 @@ impl PrefillNode {
             self.core.stats.transfers += 1;
             first += tokens;
         }
-        // The pages go back before decode hears the prefill is done: decode
-        // may finish the request at once (a one-token answer), and a
-        // sanitizer shared by both nodes would then see a finished request
-        // still holding prefill pages.
+        // The pages go back as soon as the KV is out, before decode hears
+        // the prefill is done.
         let request = seq.owner.request;
         self.end(seq, RequestEvent::Finished);
         let _ = link.send(ToDecode::PrefillDone {
@@ -311,12 +307,10 @@ impl PrefillNode {
         });
     }
 
-    /// Frees a request's pages; reports the end when this node owns the lifecycle.
+    /// Frees a request's pages and reports its end in this node's view.
     fn end(&mut self, mut seq: Sequence, event: RequestEvent) {
         self.core.release(&mut seq);
-        if self.owns_lifecycle {
-            let _ = self.core.event(seq.owner, event);
-        }
+        let _ = self.core.event(seq.owner, event);
     }
 
     fn fail(&mut self, seq: Sequence, error: RequestError, link: &dyn Link<ToDecode>) {

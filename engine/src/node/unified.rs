@@ -236,7 +236,7 @@ fn submit(
             } else {
                 RequestEvent::Aborted
             };
-            let _ = core.hooks.request_event(owner, event);
+            let _ = core.event(owner, event);
             tracing::info!(node = %core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
             let _ = events.send(crate::request::Event::Error(e));
         }
