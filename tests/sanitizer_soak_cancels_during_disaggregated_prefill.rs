@@ -5,7 +5,8 @@
 //! land while long prompts are still being computed and shipped by the
 //! prefill node. The sanitizer must report nothing, every request must be
 //! answered (finished, rejected or cancelled), and every page must be back
-//! on both free lists.
+//! on both free lists. The decode pool is small enough that decoding
+//! requests are preempted too.
 //!
 //! Two deployments: both nodes in one process sharing one sanitizer, and a
 //! decode node and a prefill node each with a sanitizer of its own (as two
@@ -130,6 +131,16 @@ impl Running {
         }
     }
 
+    /// Preemptions on both nodes since start.
+    fn preemptions(&self) -> u64 {
+        let stats = self.engine.stats();
+        let prefill = match &self.prefill {
+            Some((control, _)) => control.stats().map_or(0, |s| s.preemptions),
+            None => stats.prefill.map_or(0, |s| s.preemptions),
+        };
+        stats.front.preemptions + prefill
+    }
+
     /// Free pages of (decode or front, prefill).
     fn free_pages(&self) -> (usize, Option<usize>) {
         let stats = self.engine.stats();
@@ -230,7 +241,9 @@ fn soak(deployment: Deployment, seed: u64) {
         after, before,
         "every page back on both free lists: {outcomes:?}"
     );
-    eprintln!("outcomes: {outcomes:?}");
+    let preemptions = running.preemptions();
+    eprintln!("outcomes: {outcomes:?}; preemptions: {preemptions}");
+    assert!(preemptions > 0, "the load must preempt: {outcomes:?}");
     running.stop();
 }
 
