@@ -18,7 +18,10 @@
 //! judged per view, and activity in a pool is judged by the view of that
 //! pool's node (or by the process's, once it has ended the request).
 
+use std::collections::{HashMap, VecDeque};
+
 use dashmap::DashMap;
+use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::ids::{PoolId, RequestId, TenantId};
@@ -191,6 +194,14 @@ impl RequestRecord {
             .map(|v| v.state)
     }
 
+    /// Every view has ended and no page is held: the request can leave the
+    /// live map.
+    pub(crate) fn is_over(&self) -> bool {
+        !self.views.is_empty()
+            && self.views.iter().all(|v| v.state.is_terminal())
+            && self.held(Scope::Process) == 0
+    }
+
     /// Page references held in `scope`'s pool (in every pool for the
     /// process).
     pub(crate) fn held(&self, scope: Scope) -> u64 {
@@ -209,36 +220,122 @@ impl RequestRecord {
     }
 }
 
-/// Every request seen, keyed by id. A request first seen through a lifecycle
-/// event starts that view from `Queued`; one first seen through an
-/// allocation is taken as `Admitted`.
-#[derive(Default)]
+/// Requests that ended recently, oldest first, at most `cap` of them.
+struct Ended {
+    cap: usize,
+    records: HashMap<RequestId, RequestRecord>,
+    order: VecDeque<RequestId>,
+}
+
+/// Every request seen: the live ones, keyed by id, and a bounded memory of
+/// the ones that ended.
+///
+/// A request leaves the live map once every view of it has ended and it
+/// holds no page; its record is kept among the `ended_requests` most
+/// recently ended, so activity after its end is still judged against it
+/// (an event, an allocation, a transfer for it: `terminal-request-activity`).
+/// Past that many, the oldest is forgotten: activity of a request that
+/// ended that long ago is taken as a new request's. So the sanitizer's
+/// memory does not grow with the requests served.
+///
+/// A request first seen through a lifecycle event starts that view from
+/// `Queued`; one first seen through an allocation is taken as `Admitted`.
 pub(crate) struct Lifecycle {
-    pub(crate) requests: DashMap<RequestId, RequestRecord>,
+    requests: DashMap<RequestId, RequestRecord>,
+    ended: Mutex<Ended>,
 }
 
 impl Lifecycle {
+    /// A lifecycle remembering the last `ended_requests` ended requests.
+    pub(crate) fn new(ended_requests: usize) -> Lifecycle {
+        Lifecycle {
+            requests: DashMap::new(),
+            ended: Mutex::new(Ended {
+                cap: ended_requests,
+                records: HashMap::new(),
+                order: VecDeque::new(),
+            }),
+        }
+    }
+
+    /// The record of `id`, to update: the live one; else one that ended
+    /// recently, brought back so what comes now is judged against its end;
+    /// else a new one.
+    pub(crate) fn entry(
+        &self,
+        id: RequestId,
+        tenant: TenantId,
+    ) -> dashmap::mapref::one::RefMut<'_, RequestId, RequestRecord> {
+        if let Some(rec) = self.requests.get_mut(&id) {
+            return rec;
+        }
+        let revived = self.ended.lock().records.remove(&id);
+        self.requests
+            .entry(id)
+            .or_insert_with(|| revived.unwrap_or_else(|| RequestRecord::new(tenant)))
+    }
+
+    fn read<T>(&self, id: RequestId, f: impl Fn(&RequestRecord) -> Option<T>) -> Option<T> {
+        match self.requests.get(&id) {
+            Some(rec) => f(&rec),
+            None => self.ended.lock().records.get(&id).and_then(f),
+        }
+    }
+
     /// The request's state as reports show it, if known.
     pub(crate) fn state(&self, id: RequestId) -> Option<RequestState> {
-        self.requests.get(&id).and_then(|r| r.state())
+        self.read(id, RequestRecord::state)
     }
 
     /// The state that governs the request's activity in `pool`, if known.
     pub(crate) fn state_at(&self, id: RequestId, pool: PoolId) -> Option<RequestState> {
-        self.requests.get(&id).and_then(|r| r.state_at(pool))
+        self.read(id, |r| r.state_at(pool))
     }
 
     /// `delta` page references of `id` in `pool`. A request first seen
     /// here is taken as admitted (in the process's view).
     pub(crate) fn add_held(&self, id: RequestId, tenant: TenantId, pool: PoolId, delta: i64) {
-        let mut rec = self
-            .requests
-            .entry(id)
-            .or_insert_with(|| RequestRecord::new(tenant));
-        if rec.views.is_empty() {
-            rec.view_mut(Scope::Process, RequestState::Admitted);
+        {
+            let mut rec = self.entry(id, tenant);
+            if rec.views.is_empty() {
+                rec.view_mut(Scope::Process, RequestState::Admitted);
+            }
+            rec.add_held(pool, delta);
         }
-        rec.add_held(pool, delta);
+        if delta < 0 {
+            self.retire_if_over(id);
+        }
+    }
+
+    /// Moves `id` to the ended requests if every view of it has ended and
+    /// it holds no page.
+    pub(crate) fn retire_if_over(&self, id: RequestId) {
+        let Some((id, rec)) = self.requests.remove_if(&id, |_, r| r.is_over()) else {
+            return;
+        };
+        let mut ended = self.ended.lock();
+        if ended.cap == 0 {
+            return;
+        }
+        if ended.records.insert(id, rec).is_none() {
+            ended.order.push_back(id);
+        }
+        while ended.records.len() > ended.cap {
+            let Some(old) = ended.order.pop_front() else {
+                break;
+            };
+            ended.records.remove(&old);
+        }
+        // Ids revived and retired again leave stale entries in the order.
+        if ended.order.len() > 2 * ended.cap.max(1) {
+            let Ended { records, order, .. } = &mut *ended;
+            order.retain(|id| records.contains_key(id));
+        }
+    }
+
+    /// Requests tracked now: (live, ended and remembered).
+    pub(crate) fn tracked(&self) -> (usize, usize) {
+        (self.requests.len(), self.ended.lock().records.len())
     }
 }
 

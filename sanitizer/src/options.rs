@@ -202,6 +202,8 @@ declare_options! {
         "Reports printed at most (0: no limit); counting goes on after the limit.";
     max_recorded: u32 = 1024,
         "Recent violations kept in memory for Sanitizer::violations (oldest dropped first).";
+    ended_requests: u32 = 65_536,
+        "Ended requests remembered (their final states), so activity after a request's end is still caught; older ones are forgotten and the sanitizer's memory does not grow with the requests served.";
 }
 
 impl Options {

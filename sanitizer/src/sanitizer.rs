@@ -25,7 +25,7 @@ use crate::geometry::PoolGeometry;
 use crate::history::{Event, EventKind};
 use crate::ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId};
 use crate::kernel_shadow::{AccessOp, KernelAccess, KernelShadow};
-use crate::lifecycle::{Lifecycle, RequestEvent, RequestRecord, RequestState, Scope, Transition};
+use crate::lifecycle::{Lifecycle, RequestEvent, RequestState, Scope, Transition};
 use crate::options::{OnViolation, Options, ReportFormat};
 use crate::pool::ShadowPool;
 use crate::report::{PageReport, Report, Sink, exit_process};
@@ -174,11 +174,12 @@ impl Sanitizer {
     }
 
     fn with_sink(options: Options, sink: Sink) -> Sanitizer {
+        let lifecycle = Lifecycle::new(options.ended_requests as usize);
         Sanitizer {
             options,
             pools: (0..MAX_POOLS).map(|_| OnceLock::new()).collect(),
             registered: AtomicU32::new(0),
-            lifecycle: Lifecycle::default(),
+            lifecycle,
             counters: Counters::new(),
             checks: CheckCounters::new(),
             recent: Mutex::new(VecDeque::new()),
@@ -294,11 +295,7 @@ impl Sanitizer {
     }
 
     fn scoped_event(&self, scope: Scope, owner: Owner, event: RequestEvent) -> Verdict {
-        let mut rec = self
-            .lifecycle
-            .requests
-            .entry(owner.request)
-            .or_insert_with(|| RequestRecord::new(owner.tenant));
+        let mut rec = self.lifecycle.entry(owner.request, owner.tenant);
         let process = rec.view(Scope::Process).map(|v| v.state);
         let view = rec.view_mut(scope, RequestState::Queued);
         let from = match process {
@@ -312,7 +309,12 @@ impl Sanitizer {
         match from.transition(event) {
             Transition::Legal => {
                 view.state = event;
-                if !event.is_terminal() || rec.held(scope) == 0 {
+                if !event.is_terminal() {
+                    return Verdict::Continue;
+                }
+                if rec.held(scope) == 0 {
+                    drop(rec);
+                    self.lifecycle.retire_if_over(owner.request);
                     return Verdict::Continue;
                 }
                 drop(rec);
@@ -321,6 +323,7 @@ impl Sanitizer {
             }
             Transition::TerminalActivity => {
                 drop(rec);
+                self.lifecycle.retire_if_over(owner.request);
                 self.violation(
                     Finding::new(ViolationKind::TerminalRequestActivity, owner, "reporting")
                         .detail(format!(
@@ -417,11 +420,7 @@ impl Sanitizer {
         let shadow = self.pool(pool)?;
         let view = shadow.page(page)?;
         self.checks.alloc();
-        let mut rec = self
-            .lifecycle
-            .requests
-            .entry(owner.request)
-            .or_insert_with(|| RequestRecord::new(owner.tenant));
+        let mut rec = self.lifecycle.entry(owner.request, owner.tenant);
         let state = match rec.state_at(pool) {
             Some(state) => state,
             None => rec.view_mut(Scope::Process, RequestState::Admitted).state,
@@ -1225,7 +1224,15 @@ impl Sanitizer {
         })
     }
 
-    /// A request's lifecycle state, if the sanitizer has seen it.
+    /// Requests the sanitizer tracks now: (live, ended and still remembered
+    /// to catch their late activity; at most `ended_requests`).
+    #[must_use]
+    pub fn tracked_requests(&self) -> (usize, usize) {
+        self.lifecycle.tracked()
+    }
+
+    /// A request's lifecycle state, if the sanitizer has seen it (and, once
+    /// it ended, still remembers it).
     #[must_use]
     pub fn request_state(&self, request: RequestId) -> Option<RequestState> {
         self.lifecycle.state(request)
