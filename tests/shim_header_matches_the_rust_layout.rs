@@ -84,6 +84,13 @@ fn rows() -> Vec<(String, i64, String)> {
     ] {
         constant(name, abi::role_code(role).into());
     }
+    for &kind in kvsan_sanitizer::ViolationKind::ALL {
+        let name = format!(
+            "KVSAN_KIND_{}",
+            kind.name().to_uppercase().replace('-', "_")
+        );
+        constant(&name, kind.code().into());
+    }
     for event in REQUEST_EVENTS {
         let name = format!("KVSAN_EVENT_{}", format!("{event:?}").to_uppercase());
         constant(&name, abi::event_code(event).into());

@@ -40,7 +40,7 @@
 //!  every hook returns KvsanVerdict by value:
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | code         u32  0 continue, 1 abort the request, 2 error    |
-//!  |  4 |  4 | kind         u32  index into ViolationKind::ALL (code 1)      |
+//!  |  4 |  4 | kind         u32  the kind's ABI code (code 1; see below)     |
 //!  |  8 |  8 | violation_id u64  the id the library's report names (code 1)  |
 //!  +----+----+---------------------------------------------------------------+
 //!
@@ -275,7 +275,8 @@ impl KvsanKernelAccess {
 pub struct KvsanVerdict {
     /// [`KVSAN_VERDICT_CONTINUE`], [`KVSAN_VERDICT_ABORT`] or [`KVSAN_VERDICT_ERROR`].
     pub code: u32,
-    /// With code 1: the index of the kind in [`ViolationKind::ALL`].
+    /// With code 1: the kind's ABI code ([`ViolationKind::code`], written
+    /// beside each kind, never reused).
     pub kind: u32,
     /// With code 1: the violation's id.
     pub violation_id: u64,
@@ -475,7 +476,7 @@ impl From<Verdict> for KvsanVerdict {
             Verdict::Continue => KvsanVerdict::CONTINUE,
             Verdict::Abort { violation, kind } => KvsanVerdict {
                 code: KVSAN_VERDICT_ABORT,
-                kind: kind.index() as u32,
+                kind: kind.code(),
                 violation_id: violation.0,
             },
         }
@@ -724,10 +725,11 @@ pub const fn version_compatible(caller: u32) -> bool {
         && (caller & 0xffff) <= HOOK_TABLE_VERSION_MINOR as u32
 }
 
-/// The violation kind a verdict's `kind` index names, or `None` past the list.
+/// The violation kind a verdict's `kind` code names, or `None` for a code
+/// this build does not know (a newer library's).
 #[must_use]
-pub fn kind_of_index(index: u32) -> Option<ViolationKind> {
-    ViolationKind::ALL.get(index as usize).copied()
+pub const fn kind_of_code(code: u32) -> Option<ViolationKind> {
+    ViolationKind::from_code(code)
 }
 
 #[cfg(test)]

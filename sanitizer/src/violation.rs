@@ -10,32 +10,38 @@ use serde::{Serialize, Serializer};
 use crate::ids::{PageId, PoolId, RequestId, TenantId};
 
 /// Calls `$m!` with the list of every violation kind:
-/// `Variant => "stable-name", "description";`.
+/// `Variant = code => "stable-name", "description";`.
+///
+/// The code is the kind's number in the C ABI (`KvsanVerdict.kind`), written
+/// here, never counted: an engine and a library built from different
+/// versions agree on it whatever the order of this list. A code is never
+/// reused; a new kind takes the next one. `stable_codes` in the tests below
+/// fails when one changes.
 macro_rules! for_each_violation_kind {
     ($m:ident) => {
         $m! {
-            StaleRead => "stale-read", "read of a slot the current owner never wrote in this generation";
-            ForeignRead => "foreign-read", "read of a page owned by another request and not shared with the reader";
-            GenerationMismatch => "generation-mismatch", "access through a PageRef whose page was freed and re-allocated since";
-            ReadFreePage => "read-free-page", "read of a free or quarantined page";
-            ReadDuringTransfer => "read-during-transfer", "read of a page whose incoming transfer has not been committed";
-            ForeignWrite => "foreign-write", "write into a page the writer does not own (including a shared prefix page)";
-            WriteAfterFree => "write-after-free", "a write (often a late DMA/RDMA write) lands in a freed page";
-            DoubleAlloc => "double-alloc", "allocation of a page that is already allocated";
-            DoubleFree => "double-free", "free of a page already free, or through a stale generation";
-            ForeignFree => "foreign-free", "free of a page by a request that neither owns nor shares it";
-            TerminalRequestActivity => "terminal-request-activity", "a rejected, aborted or finished request allocates, computes, sends, receives or reads, or a rejected/aborted request gets another lifecycle event";
-            ShortTransfer => "short-transfer", "a transfer is committed with fewer received tokens than the receiver commits to read";
-            UnwrittenTransfer => "unwritten-transfer", "a sender ships slots it never wrote";
-            PageLeak => "page-leak", "a request ends while it still holds pages";
-            IllegalTransition => "illegal-transition", "a lifecycle event that is not a legal transition from the request's state";
-            PoisonRead => "poison-read", "the poison a freed page is filled with reached attention output, through a slot the shadow holds written";
+            StaleRead = 0 => "stale-read", "read of a slot the current owner never wrote in this generation";
+            ForeignRead = 1 => "foreign-read", "read of a page owned by another request and not shared with the reader";
+            GenerationMismatch = 2 => "generation-mismatch", "access through a PageRef whose page was freed and re-allocated since";
+            ReadFreePage = 3 => "read-free-page", "read of a free or quarantined page";
+            ReadDuringTransfer = 4 => "read-during-transfer", "read of a page whose incoming transfer has not been committed";
+            ForeignWrite = 5 => "foreign-write", "write into a page the writer does not own (including a shared prefix page)";
+            WriteAfterFree = 6 => "write-after-free", "a write (often a late DMA/RDMA write) lands in a freed page";
+            DoubleAlloc = 7 => "double-alloc", "allocation of a page that is already allocated";
+            DoubleFree = 8 => "double-free", "free of a page already free, or through a stale generation";
+            ForeignFree = 9 => "foreign-free", "free of a page by a request that neither owns nor shares it";
+            TerminalRequestActivity = 10 => "terminal-request-activity", "a rejected, aborted or finished request allocates, computes, sends, receives or reads, or a rejected/aborted request gets another lifecycle event";
+            ShortTransfer = 11 => "short-transfer", "a transfer is committed with fewer received tokens than the receiver commits to read";
+            UnwrittenTransfer = 12 => "unwritten-transfer", "a sender ships slots it never wrote";
+            PageLeak = 13 => "page-leak", "a request ends while it still holds pages";
+            IllegalTransition = 14 => "illegal-transition", "a lifecycle event that is not a legal transition from the request's state";
+            PoisonRead = 15 => "poison-read", "the poison a freed page is filled with reached attention output, through a slot the shadow holds written";
         }
     };
 }
 
 macro_rules! define_violation_kinds {
-    ($($variant:ident => $name:literal, $help:literal;)*) => {
+    ($($variant:ident = $code:literal => $name:literal, $help:literal;)*) => {
         /// A kind of breach of the invariant or of the rules that protect it.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         #[non_exhaustive]
@@ -68,6 +74,18 @@ macro_rules! define_violation_kinds {
             #[must_use]
             pub fn from_name(name: &str) -> Option<ViolationKind> {
                 match name { $($name => Some(ViolationKind::$variant),)* _ => None }
+            }
+
+            /// The kind's stable number in the C ABI.
+            #[must_use]
+            pub const fn code(self) -> u32 {
+                match self { $(ViolationKind::$variant => $code,)* }
+            }
+
+            /// The kind with this ABI number.
+            #[must_use]
+            pub const fn from_code(code: u32) -> Option<ViolationKind> {
+                match code { $($code => Some(ViolationKind::$variant),)* _ => None }
             }
         }
     };
@@ -232,6 +250,42 @@ mod tests {
             assert_eq!(ViolationKind::ALL[kind.index()], *kind);
         }
         assert_eq!(ViolationKind::from_name("no-such-kind"), None);
+    }
+
+    /// The ABI codes, frozen: an engine and a library built from different
+    /// versions must agree on them. Change this table only to append a new
+    /// kind with the next code.
+    #[test]
+    fn stable_codes() {
+        let frozen = [
+            ("stale-read", 0),
+            ("foreign-read", 1),
+            ("generation-mismatch", 2),
+            ("read-free-page", 3),
+            ("read-during-transfer", 4),
+            ("foreign-write", 5),
+            ("write-after-free", 6),
+            ("double-alloc", 7),
+            ("double-free", 8),
+            ("foreign-free", 9),
+            ("terminal-request-activity", 10),
+            ("short-transfer", 11),
+            ("unwritten-transfer", 12),
+            ("page-leak", 13),
+            ("illegal-transition", 14),
+            ("poison-read", 15),
+        ];
+        assert_eq!(
+            frozen.len(),
+            ViolationKind::COUNT,
+            "a kind without a frozen code"
+        );
+        for (name, code) in frozen {
+            let kind = ViolationKind::from_name(name).expect(name);
+            assert_eq!(kind.code(), code, "{name}'s ABI code changed");
+            assert_eq!(ViolationKind::from_code(code), Some(kind));
+        }
+        assert_eq!(ViolationKind::from_code(16), None);
     }
 
     #[test]

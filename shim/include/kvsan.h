@@ -81,6 +81,24 @@ extern "C" {
 #define KVSAN_EVENT_REJECTED 6u
 #define KVSAN_EVENT_ABORTED 7u
 
+/* KvsanVerdict.kind: violation kinds' ABI codes, written, never reused. */
+#define KVSAN_KIND_STALE_READ 0u
+#define KVSAN_KIND_FOREIGN_READ 1u
+#define KVSAN_KIND_GENERATION_MISMATCH 2u
+#define KVSAN_KIND_READ_FREE_PAGE 3u
+#define KVSAN_KIND_READ_DURING_TRANSFER 4u
+#define KVSAN_KIND_FOREIGN_WRITE 5u
+#define KVSAN_KIND_WRITE_AFTER_FREE 6u
+#define KVSAN_KIND_DOUBLE_ALLOC 7u
+#define KVSAN_KIND_DOUBLE_FREE 8u
+#define KVSAN_KIND_FOREIGN_FREE 9u
+#define KVSAN_KIND_TERMINAL_REQUEST_ACTIVITY 10u
+#define KVSAN_KIND_SHORT_TRANSFER 11u
+#define KVSAN_KIND_UNWRITTEN_TRANSFER 12u
+#define KVSAN_KIND_PAGE_LEAK 13u
+#define KVSAN_KIND_ILLEGAL_TRANSITION 14u
+#define KVSAN_KIND_POISON_READ 15u
+
 /* A request and the tenant it is billed to. 16 bytes. */
 typedef struct KvsanOwner {
     uint64_t request;
@@ -178,7 +196,7 @@ typedef struct KvsanKernelAccess {
 /* What a check says. 16 bytes. */
 typedef struct KvsanVerdict {
     uint32_t code;         /* KVSAN_VERDICT_* */
-    uint32_t kind;         /* with ABORT: index of the violation kind */
+    uint32_t kind;         /* with ABORT: the violation kind's ABI code (KVSAN_KIND_*) */
     uint64_t violation_id; /* with ABORT: the id the report names (KV-000042) */
 } KvsanVerdict;
 

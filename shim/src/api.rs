@@ -576,15 +576,16 @@ fn c_names(names: impl Iterator<Item = &'static str>) -> Vec<CString> {
     names.map(|n| CString::new(n).unwrap_or_default()).collect()
 }
 
-/// The stable name of violation kind index `kind` (`"stale-read"`), a
-/// static NUL-terminated string, or null past the list.
+/// The stable name of the violation kind whose ABI code is `kind`
+/// (`"stale-read"`), a static NUL-terminated string, or null for a code
+/// this library does not define.
 #[unsafe(no_mangle)]
 pub extern "C" fn kvsan_violation_kind_name(kind: u32) -> *const c_char {
     static NAMES: OnceLock<Vec<CString>> = OnceLock::new();
     std::panic::catch_unwind(|| {
-        NAMES
-            .get_or_init(|| c_names(ViolationKind::ALL.iter().map(|k| k.name())))
-            .get(kind as usize)
+        let names = NAMES.get_or_init(|| c_names(ViolationKind::ALL.iter().map(|k| k.name())));
+        ViolationKind::from_code(kind)
+            .and_then(|k| names.get(k.index()))
             .map_or(std::ptr::null(), |n| n.as_ptr())
     })
     .unwrap_or(std::ptr::null())

@@ -289,8 +289,8 @@ impl CTableHooks {
     fn verdict(&self, hook: Hook, v: KvsanVerdict) -> Verdict {
         match v.code {
             KVSAN_VERDICT_CONTINUE => Verdict::Continue,
-            KVSAN_VERDICT_ABORT => match ViolationKind::ALL.get(v.kind as usize) {
-                Some(&kind) => Verdict::Abort {
+            KVSAN_VERDICT_ABORT => match ViolationKind::from_code(v.kind) {
+                Some(kind) => Verdict::Abort {
                     violation: ViolationId(v.violation_id),
                     kind,
                 },
