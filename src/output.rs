@@ -56,7 +56,7 @@ pub fn print_error(err: &anyhow::Error, json: bool) {
                 obj["node"] = Value::from(r.node.as_str());
             }
             if let Some(v) = &e.violation {
-                obj["violation"] = json!({ "id": v.0, "kind": v.1 });
+                obj["violation"] = json!(v);
             }
         }
         println!("{}", json!({ "error": obj }));

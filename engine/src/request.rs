@@ -2,6 +2,7 @@
 //! events ending in `Finished` or `Error`.
 
 use kvsan_sanitizer::{Owner, RequestId, TenantId};
+use kvsan_sanitizer::{ViolationId, ViolationKind};
 use serde::{Deserialize, Serialize};
 
 use crate::sampler::SamplingParams;
@@ -92,8 +93,55 @@ pub struct RequestError {
     pub message: String,
     /// For [`ErrorKind::Rejected`]: the details.
     pub rejection: Option<Box<Rejection>>,
-    /// For [`ErrorKind::Violation`]: the violation id (`KV-000001`) and kind.
-    pub violation: Option<Box<(String, String)>>,
+    /// For [`ErrorKind::Violation`]: the violation the request was aborted for.
+    pub violation: Option<Violated>,
+}
+
+/// The violation a request was aborted for: its id (`KV-000001`, the one
+/// the report names) and kind. Serialized as `{"id": "KV-000001", "kind":
+/// "stale-read"}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Violated {
+    /// The violation's id.
+    pub id: ViolationId,
+    /// Its kind.
+    pub kind: ViolationKind,
+}
+
+impl Serialize for Violated {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Violated", 2)?;
+        st.serialize_field("id", &self.id.to_string())?;
+        st.serialize_field("kind", self.kind.name())?;
+        st.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Violated {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Violated, D::Error> {
+        #[derive(Deserialize)]
+        struct Raw {
+            id: String,
+            kind: String,
+        }
+        let raw = Raw::deserialize(d)?;
+        Violated::parse(&raw.id, &raw.kind).map_err(serde::de::Error::custom)
+    }
+}
+
+impl Violated {
+    /// The violation of `id` (`KV-000001`) and `kind` (`stale-read`).
+    ///
+    /// # Errors
+    /// A message naming the id or kind that is not one.
+    pub fn parse(id: &str, kind: &str) -> Result<Violated, String> {
+        Ok(Violated {
+            id: id.parse()?,
+            kind: ViolationKind::from_name(kind)
+                .ok_or_else(|| format!("unknown violation kind {kind:?}"))?,
+        })
+    }
 }
 
 impl RequestError {

@@ -121,7 +121,8 @@ fn assert_bystander_and_victim(fault: Fault, culprit: Culprit, run: &ScenarioRun
 fn aborted(culprit: &Result<Output, RequestError>) -> (String, String) {
     let err = culprit.as_ref().expect_err("the culprit must be aborted");
     assert_eq!(err.kind, ErrorKind::Violation, "{}", err.message);
-    let (id, kind) = (**err.violation.as_ref().expect("violation details")).clone();
+    let v = err.violation.expect("violation details");
+    let (id, kind) = (v.id.to_string(), v.kind.name().to_string());
     assert!(err.message.contains(id.as_str()), "{}", err.message);
     (id, kind)
 }

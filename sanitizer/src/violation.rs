@@ -134,6 +134,18 @@ impl fmt::Display for ViolationId {
     }
 }
 
+impl std::str::FromStr for ViolationId {
+    type Err = String;
+
+    /// Parses `KV-000042` (the form [`fmt::Display`] writes).
+    fn from_str(s: &str) -> Result<ViolationId, String> {
+        s.strip_prefix("KV-")
+            .and_then(|n| n.parse().ok())
+            .map(ViolationId)
+            .ok_or_else(|| format!("not a violation id (KV-NNNNNN): {s:?}"))
+    }
+}
+
 impl Serialize for ViolationId {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(self)

@@ -36,8 +36,8 @@ fn outcome(r: &Result<Output, RequestError>) -> Value {
         Err(e) => json!({
             "outcome": "error",
             "error_kind": e.kind.name(),
-            "violation_id": e.violation.as_ref().map(|v| v.0.clone()),
-            "violation_kind": e.violation.as_ref().map(|v| v.1.clone()),
+            "violation_id": e.violation.map(|v| v.id.to_string()),
+            "violation_kind": e.violation.map(|v| v.kind.name()),
             "rejection_limit": e.rejection.as_ref().map(|r| r.limit),
             "message": e.message,
         }),

@@ -13,7 +13,7 @@ use crate::kv_pool::KvPool;
 use crate::model::{AttentionCheck, Logits, Model};
 use crate::node::batch::{BatchBuilder, PlannedRow};
 use crate::node::sequence::Sequence;
-use crate::request::{ErrorKind, RequestError};
+use crate::request::{ErrorKind, RequestError, Violated};
 
 /// Counters a node keeps for tests and the operator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -84,7 +84,10 @@ pub(crate) fn violation_error(verdict: Verdict, node: &str) -> RequestError {
                 kind.name()
             ),
             rejection: None,
-            violation: Some(Box::new((violation.to_string(), kind.name().to_string()))),
+            violation: Some(Violated {
+                id: violation,
+                kind,
+            }),
         },
         Verdict::Continue => RequestError::new(ErrorKind::Internal, "aborted without a violation"),
     }
@@ -98,7 +101,7 @@ fn row_error(node: &str, fault: &RowFault) -> RequestError {
             // The pool's generation check (no sanitizer attached): a
             // violation of its own id, found without any hook.
             let id = kvsan_sanitizer::ViolationId::next();
-            let kind = kvsan_sanitizer::ViolationKind::GenerationMismatch.name();
+            let kind = kvsan_sanitizer::ViolationKind::GenerationMismatch;
             let current = match refusal.reason {
                 kvsan_kernels::guard::Reason::Generation { current } => current.0,
                 _ => 0,
@@ -107,14 +110,14 @@ fn row_error(node: &str, fault: &RowFault) -> RequestError {
                 "{:?} through {} whose page is at gen {current}",
                 refusal.access, refusal.page
             );
-            tracing::error!(node, violation = %id, kind, "checked kernel refused an access: {what}");
+            tracing::error!(node, violation = %id, kind = kind.name(), "checked kernel refused an access: {what}");
             RequestError {
                 kind: ErrorKind::Violation,
                 message: format!(
                     "aborted by the checked KV kernels on the {node} node: violation {id} ({kind}): {what}"
                 ),
                 rejection: None,
-                violation: Some(Box::new((id.to_string(), kind.to_string()))),
+                violation: Some(Violated { id, kind }),
             }
         }
         RowFault::Outside(refusal) => {

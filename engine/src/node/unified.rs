@@ -51,8 +51,7 @@ pub(crate) fn fail_in_place(core: &mut NodeCore, seq: &mut Sequence, error: Requ
     // would only report the same breach again.
     let already_terminal = error
         .violation
-        .as_ref()
-        .is_some_and(|v| v.1 == kvsan_sanitizer::ViolationKind::TerminalRequestActivity.name());
+        .is_some_and(|v| v.kind == kvsan_sanitizer::ViolationKind::TerminalRequestActivity);
     if !already_terminal {
         let _ = core.event(seq.owner, RequestEvent::Aborted);
     }

@@ -980,12 +980,12 @@ impl WireMessage for ToDecode {
                         p.str(&r.node);
                     }
                 }
-                match error.violation.as_deref() {
+                match error.violation {
                     None => p.u8(0),
-                    Some((id, kind)) => {
+                    Some(v) => {
                         p.u8(1);
-                        p.str(id);
-                        p.str(kind);
+                        p.str(&v.id.to_string());
+                        p.str(v.kind.name());
                     }
                 }
             }
@@ -1105,10 +1105,12 @@ impl WireMessage for ToDecode {
                     None
                 };
                 let violation = if t.flag("error.violation")? {
-                    Some(Box::new((
-                        t.str("error.violation.id")?,
-                        t.str("error.violation.kind")?,
-                    )))
+                    let id = t.str("error.violation.id")?;
+                    let kind = t.str("error.violation.kind")?;
+                    Some(
+                        crate::request::Violated::parse(&id, &kind)
+                            .map_err(|what| t.err("error.violation", what))?,
+                    )
                 } else {
                     None
                 };

@@ -106,7 +106,10 @@ pub fn every_to_decode() -> Vec<ToDecode> {
                 kind: ErrorKind::Violation,
                 message: "stale-read on page 4".into(),
                 rejection: None,
-                violation: Some(Box::new(("KV-000001".into(), "stale-read".into()))),
+                violation: Some(kvsan_engine::request::Violated {
+                    id: kvsan_sanitizer::ViolationId(1),
+                    kind: kvsan_sanitizer::ViolationKind::StaleRead,
+                }),
             },
         },
     ]
@@ -183,7 +186,10 @@ fn request_error() -> impl Strategy<Value = RequestError> {
         error_kind(),
         ".{0,40}",
         prop::option::of((".{0,20}", any::<usize>(), any::<usize>(), "[a-z]{0,8}")),
-        prop::option::of(("KV-[0-9]{6}", "[a-z-]{0,20}")),
+        prop::option::of((
+            0..1_000_000u64,
+            prop::sample::select(kvsan_sanitizer::ViolationKind::ALL),
+        )),
     )
         .prop_map(|(kind, message, rejection, violation)| RequestError {
             kind,
@@ -196,7 +202,10 @@ fn request_error() -> impl Strategy<Value = RequestError> {
                     node,
                 })
             }),
-            violation: violation.map(Box::new),
+            violation: violation.map(|(id, kind)| kvsan_engine::request::Violated {
+                id: kvsan_sanitizer::ViolationId(id),
+                kind,
+            }),
         })
 }
 

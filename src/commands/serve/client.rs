@@ -317,7 +317,7 @@ pub fn request_error(e: &RequestError) -> Value {
         obj.insert("node".into(), r.node.clone().into());
     }
     if let Some(v) = &e.violation {
-        obj.insert("violation".into(), json!({ "id": v.0, "kind": v.1 }));
+        obj.insert("violation".into(), json!(v));
     }
     json!({ "error": obj })
 }
