@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use kvsan_engine::faults::Fault;
-use kvsan_engine::faults::scenario::{Scenario, ScenarioRun, scenario_model};
+use kvsan_engine::scenario::{Scenario, ScenarioRun, scenario_model};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
 use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, ViolationKind};

@@ -13,7 +13,7 @@ mod shim_common;
 use std::process::Command;
 
 use kvsan_engine::faults::Fault;
-use kvsan_engine::faults::scenario::{Culprit, Scenario, VictimEnd};
+use kvsan_engine::scenario::{Culprit, Scenario, VictimEnd};
 use serde_json::Value;
 
 fn replay(fault: Fault, seed: u32, preload: bool) -> (Value, String) {

@@ -19,9 +19,9 @@ use crate::model::{AttentionCheck, Model};
 use crate::node::core::NodeCore;
 use crate::node::decode::DecodeNode;
 use crate::node::prefill::{Exit, PrefillNode};
+use crate::node::scheduler::{Scheduler, SchedulerConfig};
 use crate::node::{Command, NodeStats, unified};
 use crate::request::{Event, FinishReason, Request, RequestError};
-use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::transport::{Inbound, Link, ToDecode, ToPrefill, in_process};
 
 /// How an engine is set up.

@@ -8,12 +8,12 @@
 //! | `model` | configuration, weights, the forward pass (`forward.rs`), the synthetic model |
 //! | `kv_pool` | pages, generations, the free list, quarantine, poison |
 //! | `kv_access` | the one way the forward pass reaches the pool: the step's batch arrays and the guard its kernels check with |
-//! | `node` | the nodes (unified, prefill, decode), the step every node runs (`core.rs`), the batch builder (`batch.rs`), admission, sequences |
-//! | `scheduler` | continuous batching, chunked prefill, preemption |
+//! | `node` | the nodes (unified, prefill, decode), the step every node runs (`core.rs`), the batch builder (`batch.rs`), the scheduler (`scheduler.rs`: continuous batching, chunked prefill, preemption), admission, sequences |
 //! | `hooks` | the dispatch to a sanitizer: none, in-process, or a C hook table |
 //! | `transport` | prefill ↔ decode messages and links: in-process, TCP, RDMA |
 //! | `engine` | the serving engine a client submits to |
-//! | `faults` | fail points (feature `faults`) and their leak-oracle scenarios |
+//! | `faults` | fail points (feature `faults`): which production bug each re-creates, and the switch that turns it on |
+//! | `scenario` | each fault's leak-oracle scenario: the script, the victim, what the sanitizer must report |
 #![warn(missing_docs)]
 
 pub mod chat;
@@ -29,8 +29,10 @@ pub mod model;
 pub mod node;
 pub mod request;
 pub mod sampler;
-pub mod scheduler;
+pub mod scenario;
 pub mod tokenizer;
 pub mod transport;
 
 pub use error::EngineError;
+/// The scheduler's settings are part of the engine's configuration.
+pub use node::scheduler;

@@ -21,12 +21,12 @@ use std::sync::{Arc, Mutex};
 
 use kvsan_engine::engine::Output;
 use kvsan_engine::faults::Fault;
-use kvsan_engine::faults::scenario::{
-    BYSTANDER_TOKENS, Culprit, Scenario, ScenarioRun, VictimEnd, scenario_model,
-};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
 use kvsan_engine::request::{ErrorKind, RequestError};
+use kvsan_engine::scenario::{
+    BYSTANDER_TOKENS, Culprit, Scenario, ScenarioRun, VictimEnd, scenario_model,
+};
 use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer};
 
 /// The fault switch is process-wide: tests that flip it take turns.

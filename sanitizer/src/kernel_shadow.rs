@@ -36,7 +36,6 @@
 
 use std::ops::Range;
 
-use crate::abi::KvsanKernelShadow;
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::shadow::{
     BitLayout, FLAG_SHARED, FLAG_TERMINAL_OWNER, FLAG_WRITE_LOGGED, PageShadow, PageState,
@@ -126,10 +125,10 @@ pub enum Check {
 /// The kernel's view of one registered pool's shadow.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelShadow<'a> {
-    records: &'a [PageShadow],
-    bits: &'a [AtomicU64],
-    layout: BitLayout,
-    counters: &'a KernelCounters,
+    pub(crate) records: &'a [PageShadow],
+    pub(crate) bits: &'a [AtomicU64],
+    pub(crate) layout: BitLayout,
+    pub(crate) counters: &'a KernelCounters,
 }
 
 impl<'a> KernelShadow<'a> {
@@ -312,7 +311,7 @@ impl<'a> KernelShadow<'a> {
         }
     }
 
-    /// Adds a kernel task's checks to the pool's counters.    /// Adds a kernel task's checks to the pool's counters.
+    /// Adds a kernel task's checks to the pool's counters.
     #[inline]
     pub fn count(&self, read_pages: u64, stores: u64) {
         if read_pages > 0 {
@@ -322,72 +321,6 @@ impl<'a> KernelShadow<'a> {
         }
         if stores > 0 {
             self.counters.stores.fetch_add(stores, Ordering::Relaxed);
-        }
-    }
-
-    /// The C description of this view (the memory stays the sanitizer's).
-    #[cfg(not(loom))]
-    #[must_use]
-    pub fn to_raw(&self) -> KvsanKernelShadow {
-        KvsanKernelShadow {
-            size: size_of::<KvsanKernelShadow>() as u32,
-            layout_version: KERNEL_SHADOW_LAYOUT,
-            pages: self.records.len() as u32,
-            page_slots: self.layout.page_slots,
-            layers: self.layout.layers,
-            record_size: size_of::<PageShadow>() as u32,
-            stride_words: self.layout.stride as u32,
-            reserved: 0,
-            records: self.records.as_ptr().cast(),
-            bits: self.bits.as_ptr().cast(),
-            counters: std::ptr::from_ref(self.counters).cast_mut().cast(),
-        }
-    }
-
-    /// The view a [`KvsanKernelShadow`] describes, after checking that it
-    /// describes this build's layout.
-    ///
-    /// # Errors
-    /// What does not match (size, layout version, record size, words per
-    /// page, a null pointer, zero pages).
-    ///
-    /// # Safety
-    /// - `records`, `bits` and `counters` point to the records, bit words
-    ///   and counters of a live sanitizer pool of the described geometry,
-    ///   which stay allocated (and are only accessed atomically) for `'a`.
-    #[cfg(not(loom))]
-    pub unsafe fn from_raw(raw: &KvsanKernelShadow) -> Result<KernelShadow<'a>, &'static str> {
-        if raw.size as usize != size_of::<KvsanKernelShadow>() {
-            return Err("descriptor size differs from this build's");
-        }
-        if raw.layout_version != KERNEL_SHADOW_LAYOUT {
-            return Err("kernel-shadow layout version differs from this build's");
-        }
-        if raw.record_size as usize != size_of::<PageShadow>() {
-            return Err("page record size differs from this build's");
-        }
-        let layout = BitLayout::new(raw.page_slots, raw.layers);
-        if raw.stride_words as usize != layout.stride || raw.page_slots == 0 || raw.layers == 0 {
-            return Err("bit layout differs from the geometry");
-        }
-        if raw.pages == 0 || raw.records.is_null() || raw.bits.is_null() || raw.counters.is_null() {
-            return Err("null pointer or no pages");
-        }
-        let pages = raw.pages as usize;
-        // SAFETY: the caller guarantees the three pointers address the live
-        // arrays of a pool of `pages` pages with this layout, for 'a; the
-        // sizes and layout were checked above. Atomics have the layout of
-        // their integers.
-        unsafe {
-            Ok(KernelShadow {
-                records: std::slice::from_raw_parts(raw.records.cast::<PageShadow>(), pages),
-                bits: std::slice::from_raw_parts(
-                    raw.bits.cast::<AtomicU64>(),
-                    pages * layout.stride,
-                ),
-                layout,
-                counters: &*raw.counters.cast::<KernelCounters>(),
-            })
         }
     }
 }

@@ -7,6 +7,7 @@ pub(crate) mod batch;
 pub(crate) mod core;
 pub(crate) mod decode;
 pub(crate) mod prefill;
+pub mod scheduler;
 pub(crate) mod sequence;
 pub(crate) mod unified;
 

@@ -19,10 +19,10 @@ use crate::hooks::RequestEvent;
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
 use crate::node::core::{ChunkOutcome, NodeCore, violation_error};
+use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
 use crate::node::unified::{self, new_sequence};
 use crate::request::{ErrorKind, Request, RequestError};
-use crate::scheduler::Scheduler;
 use crate::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
     kv_slices,

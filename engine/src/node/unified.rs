@@ -8,10 +8,10 @@ use crate::hooks::RequestEvent;
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
 use crate::node::core::{ChunkOutcome, NodeCore, Planned};
+use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, Request, RequestError};
 use crate::sampler::Sampler;
-use crate::scheduler::Scheduler;
 
 /// A fresh sequence for `request` (not yet admitted) on a pool of
 /// `page_slots`-slot pages.

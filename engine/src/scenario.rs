@@ -21,9 +21,9 @@ use std::sync::Arc;
 
 use kvsan_sanitizer::{TenantId, ViolationKind};
 
-use super::Fault;
 use crate::EngineError;
 use crate::engine::{Engine, EngineConfig, Output};
+use crate::faults::{self, Fault};
 use crate::hooks::Hooks;
 use crate::model::{AttentionCheck, Model, SyntheticSpec};
 use crate::request::{Request, RequestError};
@@ -554,9 +554,9 @@ impl Scenario {
         } else {
             &[]
         };
-        super::set(faults).map_err(|what| EngineError::Config { what })?;
+        faults::set(faults).map_err(|what| EngineError::Config { what })?;
         let run = (self.drive)(engine, victim_seed);
-        let _ = super::set(&[]);
+        let _ = faults::set(&[]);
         Ok(run)
     }
 }

@@ -24,8 +24,6 @@
 //! | `slot-mapping-chunk-offset` | a prefill chunk that starts inside a page gets its store slots counted from the chunk's start (`i % page_slots`, not `(start + i) % page_slots`): its tokens' KV lands on slots its own earlier tokens hold, and its real slots stay as the page's previous owner left them, which attention then reads |
 //! | `stale-batch-array` | the batch's block-table array is kept from step to step, and a row whose table has as many pages as the row held last step is taken as unchanged: when a request leaves and the next takes its row with as many pages, it stores into and reads the pages of the request that left |
 
-pub mod scenario;
-
 /// A fault this build can inject.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
