@@ -8,9 +8,9 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use kvsan_engine::faults::Fault;
-use kvsan_engine::scenario::{Scenario, ScenarioRun, scenario_model};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
+use kvsan_engine::scenario::{Scenario, ScenarioRun, scenario_model};
 use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, ViolationKind};
 
 /// The fault switch is process-wide: tests that flip it take turns.

@@ -7,100 +7,17 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+mod serve_common;
+use serve_common::{START_BOUND, Server};
+
 /// How long any one expected event may take.
 const BOUND: Duration = Duration::from_secs(15);
-/// How long a process may take to start serving.
-const START_BOUND: Duration = Duration::from_secs(60);
-
-/// A `kvsan serve` child process; killed and reaped on drop.
-struct Server {
-    name: &'static str,
-    child: Child,
-    stderr: Receiver<String>,
-}
-
-impl Server {
-    fn start(name: &'static str, args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvsan"))
-            .arg("serve")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start kvsan serve");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let (tx, rx) = mpsc::channel();
-        // Drain stderr for the child's whole life so it never blocks on a full pipe.
-        thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("[{name}] {line}");
-                let _ = tx.send(line);
-            }
-        });
-        Server {
-            name,
-            child,
-            stderr: rx,
-        }
-    }
-
-    /// The next stderr line containing `pattern`, waiting at most `within`.
-    fn wait_for(&self, pattern: &str, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.stderr.recv_timeout(left) {
-                Ok(line) if line.contains(pattern) => return line,
-                Ok(_) => {}
-                Err(RecvTimeoutError::Timeout) => {
-                    panic!("{}: no line with {pattern:?} within {within:?}", self.name)
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!("{}: exited before printing {pattern:?}", self.name)
-                }
-            }
-        }
-    }
-
-    /// The addresses of the "serving" line: `key=ADDR` pairs.
-    fn serving(&self) -> Addrs {
-        let line = self.wait_for("kvsan: serving", START_BOUND);
-        let get = |key: &str| {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(key))
-                .map(str::to_string)
-        };
-        Addrs {
-            listen: get("listen="),
-            peer_listen: get("peer-listen="),
-        }
-    }
-
-    /// Sends SIGKILL and reaps the process.
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-struct Addrs {
-    listen: Option<String>,
-    peer_listen: Option<String>,
-}
 
 /// A decode process and a prefill process connected to it.
 struct Pair {
@@ -166,6 +83,7 @@ impl Client {
     fn connect(addr: &str) -> Client {
         let stream = TcpStream::connect(addr).expect("connect to the client port");
         stream.set_read_timeout(Some(BOUND)).unwrap();
+        stream.set_nodelay(true).unwrap();
         Client {
             reader: BufReader::new(stream.try_clone().unwrap()),
             writer: stream,
@@ -173,8 +91,11 @@ impl Client {
     }
 
     fn send_raw(&mut self, line: &str) {
-        self.writer.write_all(line.as_bytes()).unwrap();
-        self.writer.write_all(b"\n").unwrap();
+        // One write per line: a line in two writes waits for the server's
+        // delayed ACK before its newline goes out.
+        self.writer
+            .write_all(format!("{line}\n").as_bytes())
+            .unwrap();
     }
 
     fn recv(&mut self) -> Value {
@@ -416,7 +337,7 @@ fn a_prefill_process_that_cannot_reach_its_decode_node_exits_with_an_error() {
     assert!(line.contains(&port.to_string()), "{line}");
     let deadline = Instant::now() + BOUND;
     let status = loop {
-        if let Some(s) = prefill.child.try_wait().unwrap() {
+        if let Some(s) = prefill.try_wait() {
             break s;
         }
         assert!(

@@ -220,6 +220,7 @@ fn serve_under_the_preload_chooses_the_c_hook_table_and_serves_without_violation
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
+    stream.set_nodelay(true).unwrap();
     let mut writer = stream.try_clone().unwrap();
     let mut lines = BufReader::new(stream).lines();
     for prompt in [
@@ -229,7 +230,7 @@ fn serve_under_the_preload_chooses_the_c_hook_table_and_serves_without_violation
         vec![5, 4, 3],
     ] {
         let request = serde_json::json!({"prompt_ids": prompt, "max_tokens": 5});
-        writeln!(writer, "{request}").unwrap();
+        writer.write_all(format!("{request}\n").as_bytes()).unwrap();
         let mut tokens = 0;
         loop {
             let line = lines.next().expect("a reply line").expect("read a reply");

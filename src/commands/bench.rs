@@ -1,5 +1,6 @@
-//! `kvsan bench`: the whole-engine overhead comparison (`overhead`) and the
-//! workload it runs in each built variant (`workload`, hidden).
+//! `kvsan bench`: the whole-engine overhead comparison (`overhead`), the
+//! workload it runs in each built variant (`workload`, hidden), and the
+//! latency floor of `kvsan serve` (`latency`).
 //!
 //! | file | what lives there |
 //! | --- | --- |
@@ -7,10 +8,12 @@
 //! | `bench/workload.rs` | one serving workload, measured from the client's side |
 //! | `bench/child.rs` | a workload run as a child process, its peak RSS from `wait4` |
 //! | `bench/kernel.rs` | checked vs unchecked paged attention on CPU |
+//! | `bench/latency.rs` | one client, trivial requests through real `kvsan serve` processes |
 //! | `bench/plot.rs` | the SVG of the ratios and their spread |
 
 mod child;
 mod kernel;
+pub mod latency;
 pub mod overhead;
 mod plot;
 pub mod workload;
@@ -28,6 +31,10 @@ pub enum Bench {
     /// The same serving workloads run without the sanitizer, in debug-build
     /// mode and under the LD_PRELOAD shim, interleaved; ratios with spread.
     Overhead(overhead::Args),
+    /// The latency floor of `kvsan serve`: one client, trivial requests one
+    /// after another through real processes on loopback, beside the engine
+    /// alone.
+    Latency(latency::Args),
     /// One workload in this process, one JSON object of metrics on stdout.
     #[command(hide = true)]
     Workload(workload::Args),
@@ -38,6 +45,7 @@ impl Args {
     pub fn json(&self) -> bool {
         match &self.what {
             Bench::Overhead(a) => a.json,
+            Bench::Latency(a) => a.json,
             Bench::Workload(_) => true,
         }
     }
@@ -50,6 +58,25 @@ impl Args {
 pub fn run(args: &Args) -> anyhow::Result<()> {
     match &args.what {
         Bench::Overhead(a) => overhead::run(a),
+        Bench::Latency(a) => latency::run(a),
         Bench::Workload(a) => workload::run(a),
     }
+}
+
+/// The machine a benchmark ran on: CPU model, cores, load average at start.
+pub(crate) fn machine() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
+    serde_json::json!({ "cpu": cpu, "cores": cores, "load_average_at_start": load })
 }

@@ -7,10 +7,10 @@ use std::io::Write;
 
 use kvsan_engine::engine::Output;
 use kvsan_engine::faults::Fault;
-use kvsan_engine::scenario::{Scenario, scenario_model};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::AttentionCheck;
 use kvsan_engine::request::RequestError;
+use kvsan_engine::scenario::{Scenario, scenario_model};
 use serde_json::{Value, json};
 
 /// Arguments of `kvsan replay fault`.

@@ -460,23 +460,6 @@ fn ratio(off: &[Run], v: &[Run], f: impl Fn(&Run, &Run) -> f64) -> Spread {
     Spread::of(off.iter().zip(v).map(|(o, v)| f(o, v)).collect())
 }
 
-fn machine() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into());
-    let cores = std::thread::available_parallelism().map_or(0, usize::from);
-    let load = std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default();
-    json!({ "cpu": cpu, "cores": cores, "load_average_at_start": load })
-}
-
 fn fmt_bytes(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0))
 }
@@ -633,7 +616,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let json_path = out_dir.join("overhead.json");
     let svg_path = out_dir.join("overhead.svg");
     let doc = json!({
-        "machine": machine(),
+        "machine": super::machine(),
         "rounds": rounds,
         "quick": args.quick,
         "workloads": workloads.iter().map(|w| json!({

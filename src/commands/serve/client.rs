@@ -25,9 +25,15 @@
 //!
 //! A malformed line gets `{"error": {"kind": "invalid-request", …}}` naming
 //! what is wrong, and the connection goes on. Prompt text is never logged.
+//!
+//! Latency: every answer line is written to the socket with one `write` as
+//! soon as it exists — each token as the engine hands it over, never
+//! waiting for the next — and client sockets have `TCP_NODELAY`, so a small
+//! line is not held back by Nagle's algorithm until the client acknowledges
+//! the previous one (up to the peer's delayed-ACK timer, 40 ms on Linux).
 
-use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -105,20 +111,28 @@ pub fn serve_clients(listener: &TcpListener, front: &Arc<Frontend>, max_clients:
                 continue;
             }
         };
+        if let Err(e) = stream.set_nodelay(true) {
+            // Only a socket already torn down refuses this.
+            eprintln!("kvsan: client connection: cannot set TCP_NODELAY: {e}");
+            continue;
+        }
         if active.fetch_add(1, Ordering::AcqRel) >= max_clients {
             active.fetch_sub(1, Ordering::AcqRel);
             let line = error_line(
                 "busy",
                 &format!("the server already serves {max_clients} clients (--max-clients)"),
             );
-            let _ = writeln!(stream, "{line}");
+            let _ = send(&mut stream, &line);
             continue;
         }
         let (front, active) = (front.clone(), active.clone());
         let spawned = std::thread::Builder::new()
             .name("kvsan-client".into())
             .spawn(move || {
-                if let Err(e) = serve_connection(&front, stream) {
+                let served = stream
+                    .try_clone()
+                    .and_then(|read_half| serve_connection(&front, read_half, stream));
+                if let Err(e) = served {
                     // A client that went away is not the server's problem.
                     if !is_disconnect(&e) {
                         eprintln!("kvsan: client connection: {e}");
@@ -170,9 +184,10 @@ fn read_line(reader: &mut impl BufRead, max: usize, buf: &mut Vec<u8>) -> io::Re
     Ok(LineRead::Line)
 }
 
-fn serve_connection(front: &Frontend, stream: TcpStream) -> io::Result<()> {
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut out = BufWriter::new(stream);
+/// Serves one connection: request lines from `input`, answers to `out`
+/// (unbuffered: [`send`] hands each line over whole).
+fn serve_connection(front: &Frontend, input: impl Read, mut out: impl Write) -> io::Result<()> {
+    let mut reader = BufReader::new(input);
     let mut buf = Vec::new();
     loop {
         match read_line(&mut reader, MAX_LINE_BYTES, &mut buf)? {
@@ -190,9 +205,12 @@ fn serve_connection(front: &Frontend, stream: TcpStream) -> io::Result<()> {
     }
 }
 
+/// Writes one answer line with a single `write_all` and flushes it: on a
+/// socket it leaves at once, as one segment when it fits in one.
 fn send(out: &mut impl Write, value: &Value) -> io::Result<()> {
-    serde_json::to_writer(&mut *out, value)?;
-    out.write_all(b"\n")?;
+    let mut line = serde_json::to_vec(value)?;
+    line.push(b'\n');
+    out.write_all(&line)?;
     out.flush()
 }
 
@@ -246,55 +264,61 @@ fn handle_line(front: &Frontend, line: &[u8], out: &mut impl Write) -> io::Resul
 fn generate(front: &Frontend, request: Request, out: &mut impl Write) -> io::Result<()> {
     let handle = front.engine.submit(request);
     let id = handle.id;
-    let result = (|| {
-        send(out, &json!({ "id": id.0 }))?;
-        let mut text = front
-            .text
-            .as_ref()
-            .map(|t| (t.clone(), t.tokenizer.stream_decoder()));
-        for event in handle.events.iter() {
-            match event {
-                Event::Token(token) => {
-                    let line = match &mut text {
-                        Some((side, decoder)) => {
-                            json!({ "token": token, "text": decoder.push(&side.tokenizer, token) })
-                        }
-                        None => json!({ "token": token }),
-                    };
-                    send(out, &line)?;
-                }
-                Event::Finished {
-                    reason,
-                    prompt_tokens,
-                    generated,
-                } => {
-                    let mut fin = json!({
-                        "reason": finish_reason(reason),
-                        "prompt_tokens": prompt_tokens,
-                        "generated": generated,
-                    });
-                    // Bytes of an incomplete UTF-8 sequence still held back.
-                    if let Some((_, decoder)) = text.take() {
-                        let tail = decoder.finish();
-                        if !tail.is_empty() {
-                            fin["text"] = Value::String(tail);
-                        }
-                    }
-                    return send(out, &json!({ "finished": fin }));
-                }
-                Event::Error(e) => return send(out, &request_error(&e)),
-            }
-        }
-        let e = RequestError::new(
-            ErrorKind::Internal,
-            "the engine stopped before the request ended",
-        );
-        send(out, &request_error(&e))
-    })();
+    let result = send(out, &json!({ "id": id.0 }))
+        .and_then(|()| stream_events(front.text.as_deref(), handle.events.iter(), out));
     if result.is_err() {
         front.engine.cancel(id);
     }
     result
+}
+
+/// Writes a request's events as they arrive, one line each, to the end of
+/// the stream: a token's line is on its way before the next event is
+/// waited for.
+fn stream_events(
+    text: Option<&TextSide>,
+    events: impl IntoIterator<Item = Event>,
+    out: &mut impl Write,
+) -> io::Result<()> {
+    let mut text = text.map(|t| (t, t.tokenizer.stream_decoder()));
+    for event in events {
+        match event {
+            Event::Token(token) => {
+                let line = match &mut text {
+                    Some((side, decoder)) => {
+                        json!({ "token": token, "text": decoder.push(&side.tokenizer, token) })
+                    }
+                    None => json!({ "token": token }),
+                };
+                send(out, &line)?;
+            }
+            Event::Finished {
+                reason,
+                prompt_tokens,
+                generated,
+            } => {
+                let mut fin = json!({
+                    "reason": finish_reason(reason),
+                    "prompt_tokens": prompt_tokens,
+                    "generated": generated,
+                });
+                // Bytes of an incomplete UTF-8 sequence still held back.
+                if let Some((_, decoder)) = text.take() {
+                    let tail = decoder.finish();
+                    if !tail.is_empty() {
+                        fin["text"] = Value::String(tail);
+                    }
+                }
+                return send(out, &json!({ "finished": fin }));
+            }
+            Event::Error(e) => return send(out, &request_error(&e)),
+        }
+    }
+    let e = RequestError::new(
+        ErrorKind::Internal,
+        "the engine stopped before the request ended",
+    );
+    send(out, &request_error(&e))
 }
 
 fn finish_reason(reason: FinishReason) -> &'static str {
@@ -473,6 +497,67 @@ mod tests {
             read_line(&mut r, 5, &mut buf).unwrap(),
             LineRead::Eof
         ));
+    }
+
+    /// Records what reaches it: each `write` call, grouped by `flush`, and
+    /// sends each flushed group to the test.
+    struct Flushes {
+        writes: Vec<Vec<u8>>,
+        flushed: std::sync::mpsc::Sender<Vec<Vec<u8>>>,
+    }
+
+    impl Write for Flushes {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.writes.push(buf.to_vec());
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            let group = std::mem::take(&mut self.writes);
+            let _ = self.flushed.send(group);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_token_line_is_flushed_before_the_next_event_arrives() {
+        use std::sync::mpsc::channel;
+        use std::time::Duration;
+        // Generous: a bound on a hang, not a timing.
+        const BOUND: Duration = Duration::from_secs(30);
+        let (events, events_rx) = channel::<Event>();
+        let (flushed_tx, flushed) = channel();
+        let handler = std::thread::spawn(move || {
+            let mut out = Flushes {
+                writes: Vec::new(),
+                flushed: flushed_tx,
+            };
+            stream_events(None, events_rx.iter(), &mut out)
+        });
+        let expect = |line: &str| {
+            let group = flushed
+                .recv_timeout(BOUND)
+                .unwrap_or_else(|_| panic!("{line:?} was not flushed on its own"));
+            assert_eq!(
+                group,
+                vec![format!("{line}\n").into_bytes()],
+                "one write of one whole line per flush"
+            );
+        };
+        // The next event is sent only once the previous line is out: a
+        // handler that waited for more before writing would hang here.
+        events.send(Event::Token(17)).unwrap();
+        expect(r#"{"token":17}"#);
+        events.send(Event::Token(4)).unwrap();
+        expect(r#"{"token":4}"#);
+        events
+            .send(Event::Finished {
+                reason: FinishReason::Length,
+                prompt_tokens: 3,
+                generated: 2,
+            })
+            .unwrap();
+        expect(r#"{"finished":{"generated":2,"prompt_tokens":3,"reason":"length"}}"#);
+        handler.join().unwrap().unwrap();
     }
 
     #[test]

@@ -1,0 +1,110 @@
+//! A `kvsan serve` child process for the multi-process tests: started from
+//! the test's `kvsan` binary, its stderr drained for its whole life, killed
+//! and reaped on drop.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long a process may take to start serving.
+pub const START_BOUND: Duration = Duration::from_secs(60);
+
+/// A `kvsan serve` child process; killed and reaped on drop.
+pub struct Server {
+    name: &'static str,
+    child: Child,
+    stderr: Receiver<String>,
+}
+
+#[allow(dead_code)] // each test binary uses its part
+impl Server {
+    pub fn start(name: &'static str, args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvsan"))
+            .arg("serve")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start kvsan serve");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (tx, rx) = mpsc::channel();
+        // Drain stderr for the child's whole life so it never blocks on a full pipe.
+        thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[{name}] {line}");
+                let _ = tx.send(line);
+            }
+        });
+        Server {
+            name,
+            child,
+            stderr: rx,
+        }
+    }
+
+    /// The next stderr line containing `pattern`, waiting at most `within`.
+    pub fn wait_for(&self, pattern: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stderr.recv_timeout(left) {
+                Ok(line) if line.contains(pattern) => return line,
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("{}: no line with {pattern:?} within {within:?}", self.name)
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!("{}: exited before printing {pattern:?}", self.name)
+                }
+            }
+        }
+    }
+
+    /// The addresses of the "serving" line: `key=ADDR` pairs.
+    pub fn serving(&self) -> Addrs {
+        let line = self.wait_for("kvsan: serving", START_BOUND);
+        let get = |key: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .map(str::to_string)
+        };
+        Addrs {
+            listen: get("listen="),
+            peer_listen: get("peer-listen="),
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The exit status, if the process has exited.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("wait for the child")
+    }
+
+    /// Sends SIGKILL and reaps the process.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The addresses a server printed.
+#[allow(dead_code)] // each test binary uses its part
+pub struct Addrs {
+    /// The client address.
+    pub listen: Option<String>,
+    /// Where prefill processes connect (decode only).
+    pub peer_listen: Option<String>,
+}
