@@ -13,7 +13,7 @@
 //! sanitizer's own records and bits ([`crate::shadow`]), shared with the
 //! host-side hooks (`alloc`, `free`, `transfer_*`). An engine that reaches
 //! the sanitizer through the C ABI (the LD_PRELOAD shim) gets the same memory
-//! described by a [`KvsanKernelShadow`] and builds the same view from it.
+//! described by a [`KvsanKernelShadow`](crate::abi::KvsanKernelShadow) and builds the same view from it.
 //!
 //! ```text
 //!  per page touched:   record (32 B)                 the layer's bit word(s)
@@ -44,7 +44,7 @@ use crate::sync::{AtomicU64, Ordering, fence};
 use crate::violation::ViolationKind;
 
 /// The version of the kernel-shadow memory layout (records, bit words,
-/// counters) that [`KvsanKernelShadow`] describes.
+/// counters) that [`KvsanKernelShadow`](crate::abi::KvsanKernelShadow) describes.
 pub const KERNEL_SHADOW_LAYOUT: u32 = 1;
 
 /// Checks the kernels performed on one pool: pages read-checked and

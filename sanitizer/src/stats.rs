@@ -7,7 +7,7 @@
 //! cache-line-aligned shards. The first `SHARDS - 1` threads of the process
 //! that count each own a shard alone and bump it with a relaxed load and
 //! store (one writer: exact, no locked instruction); later threads share the
-//! last shard with relaxed `fetch_add`. [`CheckCounters::snapshot`] sums
+//! last shard with relaxed `fetch_add`. `CheckCounters::snapshot` sums
 //! the shards.
 //!
 //! ```text

@@ -3,13 +3,13 @@
 //!
 //! Each step is planned in named phases:
 //!
-//! 1. [`Scheduler::schedule_decodes`] — every running sequence with one token
+//! 1. `Scheduler::schedule_decodes` — every running sequence with one token
 //!    pending gets it; when its next slot needs a page and none is free, the
 //!    most recently admitted other sequence is preempted (its pages freed, it
 //!    goes back to the head of the queue to be recomputed).
-//! 2. [`Scheduler::schedule_prefill_chunks`] — sequences part-way through their
+//! 2. `Scheduler::schedule_prefill_chunks` — sequences part-way through their
 //!    prompt (or a recompute) continue, in chunks that fit the budget left.
-//! 3. [`Scheduler::admit`] — waiting sequences join, first come first served,
+//! 3. `Scheduler::admit` — waiting sequences join, first come first served,
 //!    while budget, batch slots and free pages last.
 
 use std::collections::VecDeque;

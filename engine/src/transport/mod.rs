@@ -71,7 +71,8 @@ pub struct NodeInfo {
 /// The bytes of a KV transfer.
 #[derive(Clone, Debug, PartialEq)]
 pub enum KvPayload {
-    /// The bytes travel with the message, in [`kv_wire_layout`] order; the
+    /// The bytes travel with the message, in the order
+    /// [`KvPool::pack_slots`](crate::kv_pool::KvPool::pack_slots) writes; the
     /// receiver writes them into its pages.
     Bytes(Vec<u8>),
     /// The bytes were already written into the receiver's pages by the

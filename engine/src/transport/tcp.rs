@@ -1,5 +1,5 @@
 //! Links between a prefill and a decode process over one TCP connection,
-//! carrying [`wire`](super::wire) frames both ways.
+//! carrying [`wire`] frames both ways.
 //!
 //! ```text
 //!   node ── send(msg) ──▶ TcpLink ──queue──▶ writer thread ──frames──▶ socket ──▶ peer
