@@ -110,6 +110,20 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
 }
 
 #[test]
+fn a_variant_without_its_binary_is_refused_by_name() {
+    let output = Command::new(env!("CARGO_BIN_EXE_kvsan"))
+        .args(["bench", "overhead", "--quick", "--variants", "off,debug"])
+        .output()
+        .expect("kvsan runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--bin-off") && stderr.contains("scripts/bench-overhead"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_shim_variant_without_a_shim_library_is_refused_by_name() {
     let out = std::env::temp_dir().join(format!("kvsan-bench-noshim-{}", std::process::id()));
     let output = Command::new(env!("CARGO_BIN_EXE_kvsan"))
@@ -125,11 +139,12 @@ fn a_shim_variant_without_a_shim_library_is_refused_by_name() {
 #[test]
 #[ignore = "three release builds and the SmolLM2 workloads: tens of minutes on 2 cores"]
 fn full_overhead_run_builds_three_variants_and_reports_every_workload() {
-    let output = Command::new(env!("CARGO_BIN_EXE_kvsan"))
-        .args(["bench", "overhead", "--json", "--source"])
-        .arg(shim_common::repo())
+    let out = std::env::temp_dir().join(format!("kvsan-bench-full-{}", std::process::id()));
+    let output = Command::new(shim_common::repo().join("scripts").join("bench-overhead"))
+        .args(["--json", "--out"])
+        .arg(&out)
         .output()
-        .expect("kvsan runs");
+        .expect("scripts/bench-overhead runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "bench failed:\n{stderr}");
     let doc: Value = serde_json::from_slice(&output.stdout).expect("one JSON object");

@@ -6,9 +6,10 @@
 //! | `debug` | release build `--features sanitize`  | in-process sanitizer; the KV kernels check its kernel shadow |
 //! | `shim`  | the `off` binary, `LD_PRELOAD=libkvsan_shim.so` | the shim's C hook table |
 //!
-//! Each build has its own target directory under the workspace's
-//! `target/bench/`, so they do not overwrite each other and rebuild
-//! incrementally. Rounds run `off debug shim off debug shim …` per workload
+//! The binaries are built outside the shipped CLI: `scripts/bench-overhead`
+//! builds each variant in its own target directory under `target/bench/`
+//! (so they do not overwrite each other and rebuild incrementally) and
+//! passes them as `--bin-off`, `--bin-debug`, `--shim`. Rounds run `off debug shim off debug shim …` per workload
 //! after a warm-up round, each run a child process (`kvsan bench workload`)
 //! whose peak RSS comes from `wait4` and whose checks come from the
 //! sanitizer's summary line on its stderr (`kvsan: N violations; M checks`).
@@ -16,8 +17,7 @@
 
 use std::ffi::OsString;
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use serde::Serialize;
@@ -40,30 +40,27 @@ pub struct Args {
     /// Print the JSON on stdout (the table goes to stderr).
     #[arg(long)]
     pub json: bool,
-    /// Where `overhead.json` and `overhead.svg` go (default: `target/bench/` of the workspace).
+    /// Where `overhead.json` and `overhead.svg` go (default: `target/bench/` under the current directory).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Variants to run (`off` always runs: ratios are to it).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Variant::Off, Variant::Debug, Variant::Shim])]
     pub variants: Vec<Variant>,
-    /// Build nothing: `off` runs this binary with no hooks, `debug` runs it
+    /// Run this binary: `off` with no hooks, `debug`
     /// with the in-process sanitizer (and so its kernel-shadow checks) attached at run time
     /// (what `--features sanitize` selects at compile time), `shim` needs
     /// `--shim`.
     #[arg(long)]
     pub no_build: bool,
-    /// A prebuilt release binary for `off` (and `shim`) instead of building it.
+    /// The release binary for `off` (and `shim`).
     #[arg(long)]
     pub bin_off: Option<PathBuf>,
-    /// A prebuilt binary built with `--features sanitize` for `debug`.
+    /// The release binary built with `--features sanitize`, for `debug`.
     #[arg(long)]
     pub bin_debug: Option<PathBuf>,
-    /// A prebuilt `libkvsan_shim.so` for `shim`.
+    /// The release `libkvsan_shim.so`, for `shim`.
     #[arg(long)]
     pub shim: Option<PathBuf>,
-    /// The workspace to build (default: the one around the current directory).
-    #[arg(long)]
-    pub source: Option<PathBuf>,
     /// GGUF model for the SmolLM2 workloads (default: SmolLM2-135M, fetched on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -187,85 +184,17 @@ pub fn parse_checks(stderr: &str) -> Option<u64> {
     })
 }
 
-/// The workspace root: `--source`, else what `cargo locate-project` says.
-fn workspace_root(source: Option<&Path>) -> anyhow::Result<PathBuf> {
-    if let Some(s) = source {
-        return Ok(s.to_path_buf());
-    }
-    let out = Command::new(cargo())
-        .args(["locate-project", "--workspace", "--message-format", "plain"])
-        .stderr(Stdio::inherit())
-        .output()
-        .context("running cargo locate-project (give --source DIR)")?;
-    if !out.status.success() {
-        bail!(
-            "cargo locate-project found no workspace here (run inside the kvsan source tree or give --source DIR)"
-        );
-    }
-    let manifest = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    Ok(manifest
-        .parent()
-        .context("workspace manifest without a directory")?
-        .to_path_buf())
-}
-
-fn cargo() -> OsString {
-    std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into())
-}
-
-/// `cargo build --release …` into `target/bench/<dir>` of `root`, cargo's
-/// progress on our stderr; returns the target directory.
-fn cargo_build(root: &Path, dir: &str, extra: &[&str]) -> anyhow::Result<PathBuf> {
-    let target = root.join("target").join("bench").join(dir);
-    let manifest = root.join("Cargo.toml");
-    let mut cmd = Command::new(cargo());
-    cmd.arg("build")
-        .arg("--release")
-        .arg("--manifest-path")
-        .arg(&manifest)
-        .arg("--target-dir")
-        .arg(&target)
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(std::io::stderr()))
-        .stderr(Stdio::inherit());
-    eprintln!(
-        "kvsan bench: building {dir}: cargo build --release {} --target-dir {}",
-        extra.join(" "),
-        target.display()
-    );
-    let status = cmd.status().context("running cargo build")?;
-    if !status.success() {
-        bail!(
-            "cargo build --release {} failed ({status})",
-            extra.join(" ")
-        );
-    }
-    Ok(target)
-}
-
-/// The programs and environments of the variants to run.
+/// The programs and environments of the variants to run: the prebuilt
+/// files given (`scripts/bench-overhead` builds them), or this binary with
+/// `--no-build`.
 fn prepare(args: &Args, variants: &[Variant]) -> anyhow::Result<Vec<Prepared>> {
+    const BUILD: &str = "scripts/bench-overhead builds the three variants and passes them; \
+                         or give --no-build to run this binary";
     let this = std::env::current_exe().context("locating this binary")?;
-    let root = if args.no_build
-        || (args.bin_off.is_some()
-            && (args.bin_debug.is_some() || !variants.contains(&Variant::Debug))
-            && (args.shim.is_some() || !variants.contains(&Variant::Shim)))
-    {
-        None
-    } else {
-        Some(workspace_root(args.source.as_deref())?)
-    };
-    let built = |dir: &str, extra: &[&str]| -> anyhow::Result<PathBuf> {
-        let root = root.as_deref().context("no workspace to build in")?;
-        cargo_build(root, dir, extra)
-    };
     let off = match (&args.bin_off, args.no_build) {
         (Some(p), _) => p.clone(),
         (None, true) => this.clone(),
-        (None, false) => built("off", &["--bin", "kvsan"])?
-            .join("release")
-            .join("kvsan"),
+        (None, false) => bail!("the off variant needs --bin-off PATH ({BUILD})"),
     };
     let mut prepared = Vec::new();
     for &variant in variants {
@@ -282,34 +211,18 @@ fn prepare(args: &Args, variants: &[Variant]) -> anyhow::Result<Vec<Prepared>> {
             Variant::Debug => match (&args.bin_debug, args.no_build) {
                 (Some(p), _) => (p.clone(), "environment", Vec::new()),
                 (None, true) => (this.clone(), "in-process", Vec::new()),
-                (None, false) => (
-                    built("debug", &["--bin", "kvsan", "--features", "sanitize"])?
-                        .join("release")
-                        .join("kvsan"),
-                    "environment",
-                    Vec::new(),
+                (None, false) => bail!(
+                    "the debug variant needs --bin-debug PATH, a build with --features sanitize ({BUILD})"
                 ),
             },
             Variant::Shim => {
-                let lib = match (&args.shim, args.no_build) {
-                    (Some(p), _) => p.clone(),
-                    (None, true) => bail!(
-                        "the shim variant needs --shim PATH with --no-build (or leave it out: --variants off,debug)"
-                    ),
-                    (None, false) => {
-                        let root = root.as_deref().context("no workspace to build in")?;
-                        if !root.join("shim").join("Cargo.toml").exists() {
-                            bail!(
-                                "the shim variant needs the kvsan-shim crate ({}/shim); leave it out with --variants off,debug",
-                                root.display()
-                            );
-                        }
-                        built("shim", &["-p", "kvsan-shim"])?
-                            .join("release")
-                            .join("libkvsan_shim.so")
-                    }
+                let Some(lib) = &args.shim else {
+                    bail!(
+                        "the shim variant needs --shim PATH, a built libkvsan_shim.so ({BUILD}); \
+                         or leave it out: --variants off,debug"
+                    )
                 };
-                let lib = std::fs::canonicalize(&lib)
+                let lib = std::fs::canonicalize(lib)
                     .with_context(|| format!("the shim library {}", lib.display()))?;
                 (
                     off.clone(),
@@ -318,6 +231,13 @@ fn prepare(args: &Args, variants: &[Variant]) -> anyhow::Result<Vec<Prepared>> {
                 )
             }
         };
+        if !program.is_file() {
+            bail!(
+                "the {} variant's binary {} does not exist",
+                variant.name(),
+                program.display()
+            );
+        }
         prepared.push(Prepared {
             variant,
             program,
@@ -605,13 +525,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         }
     }
 
-    let out_dir = match &args.out {
-        Some(d) => d.clone(),
-        None => match workspace_root(args.source.as_deref()) {
-            Ok(root) => root.join("target").join("bench"),
-            Err(_) => std::env::temp_dir().join("kvsan-bench"),
-        },
-    };
+    let out_dir = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("target").join("bench"));
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let json_path = out_dir.join("overhead.json");
     let svg_path = out_dir.join("overhead.svg");
