@@ -11,11 +11,11 @@
 //! | module | what lives there |
 //! | --- | --- |
 //! | `block_table` | `BlockTable`: a request's pages, and which pages and slots hold tokens `a..b` |
-//! | `abi` | the C ABI: `#[repr(C)]` hook table, page refs, manifests, verdicts, status codes |
+//! | `abi` | the C ABI: `#[repr(C)]` hook table, page refs, manifests, verdicts, status codes, the kernel shadow's C description |
 //! | `ids` | pool, page, generation, request, tenant, owner ids |
 //! | `geometry` | `PoolGeometry`, `NodeRole` |
 //! | `shadow` | per-page state word, owner, written bitmap; lock-free transitions |
-//! | `kernel_shadow` | the shadow as the KV kernels check it in place: fast read and store checks, counters, the C description |
+//! | `kernel_shadow` | the shadow as the KV kernels check it in place: fast read and store checks, counters |
 //! | `pool` | one registered pool: records, bitmaps, history, sharers, quarantine |
 //! | `history` | per-page origin ring |
 //! | `stats` | sharded counters of the checks performed |
@@ -25,7 +25,7 @@
 //! | `report` | human and JSON reports, the sink |
 //! | `options` | the options table and `KVSAN_OPTIONS` parser |
 //! | `error` | `SanitizerError` (API misuse) |
-//! | `sanitizer` | the `Sanitizer` facade and its hooks |
+//! | `sanitizer` | the `Sanitizer` facade (`mod.rs`: construction, pools, queries) and its hooks: `events.rs` (pool registration, request events), `pages.rs` (alloc, free, share, host write and read), `transfer.rs` (send, receive, commit), `kernel.rs` (the kernel-shadow view, refused kernel accesses), `finding.rs` (the cold path that numbers and reports a violation) |
 #![warn(missing_docs)]
 
 pub mod abi;

@@ -1,0 +1,448 @@
+//! The page hooks: alloc, free, share, and the host-side write and read.
+
+use super::finding::{Finding, with_article};
+use super::{Sanitizer, check_range};
+use crate::error::SanitizerError;
+use crate::history::{Event, EventKind};
+use crate::ids::{Generation, Owner, PageId, PageRef, PoolId};
+use crate::lifecycle::{RequestState, Scope};
+use crate::pool::ShadowPool;
+use crate::shadow::{
+    AllocOutcome, FLAG_SHARED, FreeOutcome, Needed, PageView, ReadCheck, StateWord,
+};
+use crate::violation::{Verdict, ViolationKind};
+use std::ops::Range;
+
+impl Sanitizer {
+    /// The engine took `page` from its free list for `owner`. Returns the
+    /// page's new generation (the tag for the block table).
+    ///
+    /// `double-alloc` if the page is not Free or Quarantined (nothing changes;
+    /// the page's current generation is returned); otherwise
+    /// `terminal-request-activity` if the owner is terminal (the allocation
+    /// is still recorded).
+    ///
+    /// # Errors
+    /// Unknown pool or page out of range.
+    pub fn alloc(
+        &self,
+        pool: PoolId,
+        page: PageId,
+        owner: Owner,
+        step: u64,
+    ) -> Result<(Verdict, Generation), SanitizerError> {
+        let shadow = self.pool(pool)?;
+        let view = shadow.page(page)?;
+        self.checks.alloc();
+        let mut rec = self.lifecycle.entry(owner.request, owner.tenant);
+        let state = match rec.state_at(pool) {
+            Some(state) => state,
+            None => rec.view_mut(Scope::Process, RequestState::Admitted).state,
+        };
+        let outcome = view.alloc(owner, state.is_terminal());
+        drop(rec);
+        if matches!(outcome, AllocOutcome::Allocated { .. }) {
+            self.lifecycle
+                .add_held(owner.request, owner.tenant, pool, 1);
+        }
+        match outcome {
+            AllocOutcome::Allocated { generation } => {
+                shadow.log(
+                    page,
+                    Event::new(EventKind::Alloc, owner, generation, Some(step), None),
+                );
+                let verdict = if state.is_terminal() {
+                    self.violation(
+                        Finding::new(ViolationKind::TerminalRequestActivity, owner, "allocating")
+                            .at(pool, PageRef { page, generation })
+                            .step(Some(step))
+                            .detail(format!(
+                                "{} request allocates a page",
+                                with_article(state.name())
+                            )),
+                    )
+                } else {
+                    Verdict::Continue
+                };
+                Ok((verdict, generation))
+            }
+            AllocOutcome::AlreadyAllocated(word) => {
+                let generation = word.generation();
+                let verdict = self.violation(
+                    Finding::new(ViolationKind::DoubleAlloc, owner, "allocating")
+                        .at(pool, PageRef { page, generation })
+                        .step(Some(step))
+                        .detail(format!(
+                            "the page is {}, not free or quarantined",
+                            word.state().name()
+                        )),
+                );
+                Ok((verdict, generation))
+            }
+        }
+    }
+
+    /// `owner` lets go of its reference to `page` (ownership or share). The
+    /// page goes to quarantine when its last holder lets go.
+    ///
+    /// `double-free` if the page is already free or the generation moved on;
+    /// `foreign-free` if `owner` neither owns nor shares it.
+    ///
+    /// # Errors
+    /// Unknown pool or page out of range.
+    pub fn free(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        step: u64,
+    ) -> Result<Verdict, SanitizerError> {
+        let shadow = self.pool(pool)?;
+        let view = shadow.page(page.page)?;
+        self.checks.free();
+        let released = match view.free_by_owner(page.generation, owner.request) {
+            FreeOutcome::Released => true,
+            FreeOutcome::OwnerReleased => false,
+            FreeOutcome::DoubleFree(word) => {
+                let detail = if word.generation() == page.generation {
+                    format!("the page is already {}", word.state().name())
+                } else {
+                    format!(
+                        "the reference is stale: the page is at gen {} ({})",
+                        word.generation().0,
+                        word.state().name()
+                    )
+                };
+                return Ok(self.violation(
+                    Finding::new(ViolationKind::DoubleFree, owner, "freeing")
+                        .at(pool, page)
+                        .step(Some(step))
+                        .detail(detail),
+                ));
+            }
+            FreeOutcome::NotOwner(_) => match shadow.drop_sharer(view, page, owner.request) {
+                Some(released) => released,
+                None => {
+                    return Ok(self.violation(
+                        Finding::new(ViolationKind::ForeignFree, owner, "freeing")
+                            .at(pool, page)
+                            .step(Some(step))
+                            .detail("the freeing request neither owns nor shares the page".into()),
+                    ));
+                }
+            },
+        };
+        shadow.flush_kernel_write(page.page);
+        shadow.log(
+            page.page,
+            Event::new(EventKind::Free, owner, page.generation, Some(step), None),
+        );
+        if released {
+            shadow.quarantine(page.page, page.generation);
+        }
+        self.lifecycle
+            .add_held(owner.request, owner.tenant, pool, -1);
+        Ok(Verdict::Continue)
+    }
+
+    /// The prefix cache shares `page` read-only with `sharer` (one more
+    /// reference; the sharer frees it like an owner).
+    ///
+    /// `terminal-request-activity` for a terminal sharer; `generation-mismatch`
+    /// or `read-free-page` if the page is not held at that generation.
+    ///
+    /// # Errors
+    /// Unknown pool or page out of range.
+    pub fn share(
+        &self,
+        pool: PoolId,
+        page: PageRef,
+        sharer: Owner,
+    ) -> Result<Verdict, SanitizerError> {
+        let shadow = self.pool(pool)?;
+        let view = shadow.page(page.page)?;
+        if let Some(state) = self.lifecycle.state_at(sharer.request, pool)
+            && state.is_terminal()
+        {
+            return Ok(self.violation(
+                Finding::new(ViolationKind::TerminalRequestActivity, sharer, "sharing")
+                    .at(pool, page)
+                    .detail(format!(
+                        "{} request takes a shared page",
+                        with_article(state.name())
+                    )),
+            ));
+        }
+        match shadow.add_sharer(view, page, sharer) {
+            Ok(()) => {
+                shadow.log(
+                    page.page,
+                    Event::new(EventKind::Share, sharer, page.generation, None, None),
+                );
+                self.lifecycle
+                    .add_held(sharer.request, sharer.tenant, pool, 1);
+                Ok(Verdict::Continue)
+            }
+            Err(word) => {
+                let kind = if word.generation() == page.generation {
+                    ViolationKind::ReadFreePage
+                } else {
+                    ViolationKind::GenerationMismatch
+                };
+                Ok(
+                    self.violation(Finding::new(kind, sharer, "sharing").at(pool, page).detail(
+                        format!(
+                            "the page is {} at gen {}",
+                            word.state().name(),
+                            word.generation().0
+                        ),
+                    )),
+                )
+            }
+        }
+    }
+
+    /// KV computed by `owner` into `slots × layers` of `page`.
+    ///
+    /// In order: `generation-mismatch` (stale tag), `write-after-free` (page
+    /// free or quarantined), `foreign-write` (writer does not hold the
+    /// ownership: another request, a mere sharer, or an owner who released
+    /// it), `terminal-request-activity` (owner is terminal).
+    ///
+    /// # Errors
+    /// Unknown pool; page, slot or layer out of range.
+    #[inline]
+    pub fn write(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        slots: Range<u32>,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Result<Verdict, SanitizerError> {
+        let shadow = self.pool(pool)?;
+        let view = shadow.page(page.page)?;
+        check_range(&slots, shadow.geometry.page_slots, || {
+            SanitizerError::SlotOutOfRange {
+                pool: pool.0,
+                start: slots.start,
+                end: slots.end,
+                page_slots: shadow.geometry.page_slots,
+            }
+        })?;
+        self.check_layers(shadow, &layers)?;
+        self.checks.write();
+        match view.write(owner.request, page.generation, slots.clone(), &layers) {
+            Ok(false) => Ok(Verdict::Continue),
+            Ok(true) => {
+                shadow.log(
+                    page.page,
+                    Event::new(
+                        EventKind::Write,
+                        owner,
+                        page.generation,
+                        Some(step),
+                        Some((slots.start, slots.end)),
+                    ),
+                );
+                Ok(Verdict::Continue)
+            }
+            Err((kind, word)) => {
+                Ok(self.write_violation(kind, owner, pool, page, &slots, &layers, step, word))
+            }
+        }
+    }
+
+    #[cold]
+    #[allow(clippy::too_many_arguments)]
+    fn write_violation(
+        &self,
+        kind: ViolationKind,
+        owner: Owner,
+        pool: PoolId,
+        page: PageRef,
+        slots: &Range<u32>,
+        layers: &Range<u32>,
+        step: u64,
+        word: StateWord,
+    ) -> Verdict {
+        let detail = format!(
+            "write of slots {}..{}, layers {}..{} through a tag of gen {}; the page is {} at gen {}",
+            slots.start,
+            slots.end,
+            layers.start,
+            layers.end,
+            page.generation.0,
+            word.state().name(),
+            word.generation().0
+        );
+        self.violation(
+            Finding::new(kind, owner, "writing")
+                .at(pool, page)
+                .slot((!slots.is_empty()).then_some(slots.start))
+                .step(Some(step))
+                .detail(detail),
+        )
+    }
+
+    /// Attention by `owner` is about to read tokens `0..tokens` of `layers`
+    /// through `block_table` (token `t` is entry `t / page_slots`, slot
+    /// `t % page_slots`). Entries holding no token below `tokens` are not read
+    /// and not checked.
+    ///
+    /// `terminal-request-activity` first (a terminal reader); then, page by
+    /// page: `generation-mismatch`, `read-free-page`, `read-during-transfer`,
+    /// `foreign-read` (neither holding owner nor sharer), `stale-read` (a slot
+    /// not written for every layer read). The first violation is reported.
+    ///
+    /// # Errors
+    /// Unknown pool; page or layer out of range; `tokens` beyond the table.
+    #[inline]
+    pub fn read(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        block_table: &[PageRef],
+        tokens: usize,
+        layers: Range<u32>,
+        step: u64,
+    ) -> Result<Verdict, SanitizerError> {
+        let shadow = self.pool(pool)?;
+        self.check_layers(shadow, &layers)?;
+        Self::check_capacity(shadow, block_table.len(), tokens as u64)?;
+        let ps = shadow.geometry.page_slots as usize;
+        self.checks.read(tokens.div_ceil(ps) as u64);
+        if let Some(state) = self.lifecycle.state_at(owner.request, pool)
+            && state.is_terminal()
+        {
+            return Ok(self.violation(
+                Finding::new(ViolationKind::TerminalRequestActivity, owner, "reading")
+                    .step(Some(step))
+                    .detail(format!(
+                        "{} request reads {tokens} tokens of KV",
+                        with_article(state.name())
+                    )),
+            ));
+        }
+        // What a whole page needs, worked out once; the last page may be partial.
+        let whole = shadow.layout.needed(0..ps as u32, &layers);
+        for (i, page) in block_table.iter().enumerate().take(tokens.div_ceil(ps)) {
+            let slots = (tokens - i * ps).min(ps) as u32;
+            let partial;
+            let needed = if slots as usize == ps {
+                &whole
+            } else {
+                partial = shadow.layout.needed(0..slots, &layers);
+                &partial
+            };
+            if let Some(verdict) = self.read_page(
+                shadow,
+                owner,
+                i,
+                *page,
+                0..slots,
+                &layers,
+                needed,
+                Some(step),
+            )? {
+                return Ok(verdict);
+            }
+        }
+        Ok(Verdict::Continue)
+    }
+
+    /// The read check of one page, `slots` of `layers`, by `owner` through
+    /// block-table entry `index`: `None` when legal (owner, or sharer with
+    /// every slot written), else the verdict of the violation reported.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub(super) fn read_page(
+        &self,
+        shadow: &ShadowPool,
+        owner: Owner,
+        index: usize,
+        page: PageRef,
+        slots: Range<u32>,
+        layers: &Range<u32>,
+        needed: &Needed,
+        step: Option<u64>,
+    ) -> Result<Option<Verdict>, SanitizerError> {
+        let view = shadow.page(page.page)?;
+        Ok(
+            match view.check_read_needed(
+                owner.request,
+                page.generation,
+                slots.clone(),
+                layers,
+                needed,
+            ) {
+                ReadCheck::Ok => None,
+                other => self.read_slow(
+                    shadow, view, other, owner, page, index, slots, layers, step, "reading",
+                ),
+            },
+        )
+    }
+
+    /// A non-Ok read check: a sharer's legal read, or a violation.
+    #[cold]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn read_slow(
+        &self,
+        shadow: &ShadowPool,
+        view: PageView<'_>,
+        check: ReadCheck,
+        owner: Owner,
+        page: PageRef,
+        index: usize,
+        slots: Range<u32>,
+        layers: &Range<u32>,
+        step: Option<u64>,
+        action: &str,
+    ) -> Option<Verdict> {
+        let (kind, word, slot) = match check {
+            ReadCheck::Ok => return None,
+            ReadCheck::NotOwner(word) => {
+                if word.has(FLAG_SHARED) && shadow.is_sharer(page.page, owner.request) {
+                    match view.first_unwritten(slots.clone(), layers) {
+                        None => return None,
+                        Some(slot) => (ViolationKind::StaleRead, word, Some(slot)),
+                    }
+                } else {
+                    (ViolationKind::ForeignRead, word, None)
+                }
+            }
+            ReadCheck::Fail { kind, word, slot } => (kind, word, slot),
+        };
+        let ps = u64::from(shadow.geometry.page_slots);
+        let detail = match (kind, slot) {
+            (ViolationKind::StaleRead | ViolationKind::UnwrittenTransfer, Some(s)) => {
+                let written = view.written_layers(s, layers);
+                format!(
+                    "slot {s} (token {}) not written for layers {}..{} in gen {}: {written} of {} layers written",
+                    index as u64 * ps + u64::from(s),
+                    layers.start,
+                    layers.end,
+                    word.generation().0,
+                    layers.len()
+                )
+            }
+            _ => format!(
+                "block-table entry {index} tags gen {}; the page is {} at gen {}",
+                page.generation.0,
+                word.state().name(),
+                word.generation().0
+            ),
+        };
+        Some(
+            self.violation(
+                Finding::new(kind, owner, action)
+                    .at(shadow.id, page)
+                    .slot(slot)
+                    .step(step)
+                    .detail(detail),
+            ),
+        )
+    }
+}
