@@ -37,7 +37,7 @@
 //! output is zero and its later stores are skipped.
 
 use half::f16;
-use kvsan_sanitizer::{Generation, PageId, PageRef};
+use kvsan_ids::{Generation, PageId, PageRef};
 
 use crate::Exec;
 use crate::error::KernelError;

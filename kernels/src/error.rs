@@ -1,6 +1,6 @@
 //! The one error type of the kernels crate.
 
-use kvsan_sanitizer::{Generation, PageId};
+use kvsan_ids::{Generation, PageId};
 
 use crate::DType;
 

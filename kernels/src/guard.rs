@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::sync::Mutex;
 
-use kvsan_sanitizer::{Generation, PageRef};
+use kvsan_ids::{Generation, PageRef};
 
 /// One access a kernel was about to make.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

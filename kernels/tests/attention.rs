@@ -9,12 +9,12 @@ use std::sync::Mutex;
 
 use common::*;
 use half::f16;
+use kvsan_ids::{Generation, PageId, PageRef};
 use kvsan_kernels::guard::{Access, Reason, Refusal};
 use kvsan_kernels::{
     Exec, GenerationChecked, Isa, KvBatch, KvGeometry, KvGuard, RowLedger, StoreSlot, ThreadPool,
     Unchecked, attend, store_kv,
 };
-use kvsan_sanitizer::{Generation, PageId, PageRef};
 use rand::Rng;
 
 const GEOM: KvGeometry = KvGeometry {

@@ -6,7 +6,10 @@
 //! library exports (the NVTX injection pattern), and an engine written in C,
 //! C++ or Python that calls the library's plain C functions. The C header
 //! `shim/include/kvsan.h` declares the same layout; a test compiles it and
-//! compares every size and offset with these types.
+//! compares every size and offset with these types. The hook table's
+//! function pointers are those of the list of hooks ([`crate::hooks`]), in
+//! its order; each function type below is checked, at compile time, to
+//! take the arguments the list gives its hooks.
 //!
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
@@ -92,6 +95,7 @@
 use std::ffi::{CStr, c_void};
 use std::ops::Range;
 
+use crate::hooks::Hook;
 use crate::kernel_shadow::{
     AccessOp, KERNEL_SHADOW_LAYOUT, KernelAccess, KernelCounters, KernelShadow,
 };
@@ -354,127 +358,152 @@ pub struct KvsanVerdict {
     pub violation_id: u64,
 }
 
-/// `pool_register`: code 0 and `*pool_out` set, or a refusal.
-pub type PoolRegisterFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    geometry: *const KvsanPoolGeometry,
-    pool_out: *mut u32,
-) -> KvsanVerdict;
-/// `request_event`.
-pub type RequestEventFn =
-    unsafe extern "C" fn(ctx: *mut c_void, owner: KvsanOwner, event: u32) -> KvsanVerdict;
-/// `alloc` and `free`.
-pub type PageFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    pool: u32,
-    owner: KvsanOwner,
-    page: KvsanPageRef,
-    step: u64,
-) -> KvsanVerdict;
-/// `write`.
-pub type WriteFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    pool: u32,
-    owner: KvsanOwner,
-    page: KvsanPageRef,
-    slots: KvsanRange,
-    layers: KvsanRange,
-    step: u64,
-) -> KvsanVerdict;
-/// `read`.
-pub type ReadFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    pool: u32,
-    owner: KvsanOwner,
-    table: *const KvsanPageRef,
-    table_len: usize,
-    tokens: u64,
-    layers: KvsanRange,
-    step: u64,
-) -> KvsanVerdict;
-/// `transfer_send` and `transfer_recv`.
-pub type TransferFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    pool: u32,
-    manifest: *const KvsanManifest,
-) -> KvsanVerdict;
-/// `transfer_commit`.
-pub type CommitFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    pool: u32,
-    owner: KvsanOwner,
-    table: *const KvsanPageRef,
-    table_len: usize,
-    committed_tokens: u64,
-) -> KvsanVerdict;
+// The C header's names for the hooks' function types (`KvsanPageFn` …);
+// each is the list's type of the hooks named after it (checked below).
 
+/// `pool_register`: code 0 and `*pool_out` set, or a refusal.
+pub type PoolRegisterFn = fn_of::pool_register;
+/// `request_event`.
+pub type RequestEventFn = fn_of::request_event;
+/// `alloc` and `free`.
+pub type PageFn = fn_of::alloc;
+/// `write`.
+pub type WriteFn = fn_of::write;
+/// `read`.
+pub type ReadFn = fn_of::read;
+/// `transfer_send` and `transfer_recv`.
+pub type TransferFn = fn_of::transfer_send;
+/// `transfer_commit`.
+pub type CommitFn = fn_of::transfer_commit;
 /// `kernel_shadow`: code 0 and `*out` filled, or a refusal (the pool is
 /// unknown).
-pub type KernelShadowFn =
-    unsafe extern "C" fn(ctx: *mut c_void, pool: u32, out: *mut KvsanKernelShadow) -> KvsanVerdict;
-/// `request_event_at`: the event as the node that owns `pool` sees it.
-pub type RequestEventAtFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    pool: u32,
-    owner: KvsanOwner,
-    event: u32,
-) -> KvsanVerdict;
+pub type KernelShadowFn = fn_of::kernel_shadow;
 /// `kernel_refusal`.
-pub type KernelRefusalFn = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    pool: u32,
-    owner: KvsanOwner,
-    access: *const KvsanKernelAccess,
-    step: u64,
-) -> KvsanVerdict;
+pub type KernelRefusalFn = fn_of::kernel_refusal;
+/// `request_event_at`: the event as the node that owns `pool` sees it.
+pub type RequestEventAtFn = fn_of::request_event_at;
 
-/// The versioned hook table (layout in the module documentation). A null
-/// function pointer makes the table invalid.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct KvsanHookTable {
-    /// `size_of::<KvsanHookTable>()` as the library was built.
-    pub size: u32,
-    /// [`HOOK_TABLE_VERSION_MAJOR`].
-    pub version_major: u16,
-    /// The library's minor version.
-    pub version_minor: u16,
-    /// [`KVSAN_FLAG_POISON`] and future flags.
-    pub flags: u32,
-    /// Freed pages the engine holds back before reuse.
-    pub quarantine_pages: u32,
-    /// Passed to every hook.
-    pub ctx: *mut c_void,
-    /// `pool_register`: see the module documentation.
-    pub pool_register: Option<PoolRegisterFn>,
-    /// `request_event`: see the module documentation.
-    pub request_event: Option<RequestEventFn>,
-    /// `alloc`: see the module documentation.
-    pub alloc: Option<PageFn>,
-    /// `free`: see the module documentation.
-    pub free: Option<PageFn>,
-    /// `write`: see the module documentation.
-    pub write: Option<WriteFn>,
-    /// `read`: see the module documentation.
-    pub read: Option<ReadFn>,
-    /// `transfer_send`: see the module documentation.
-    pub transfer_send: Option<TransferFn>,
-    /// `transfer_recv`: see the module documentation.
-    pub transfer_recv: Option<TransferFn>,
-    /// `transfer_commit`: see the module documentation.
-    pub transfer_commit: Option<CommitFn>,
-    /// `kernel_shadow` (version 1.1): see the module documentation.
-    pub kernel_shadow: Option<KernelShadowFn>,
-    /// `kernel_refusal` (version 1.1): see the module documentation.
-    pub kernel_refusal: Option<KernelRefusalFn>,
-    /// `request_event_at` (version 1.1): a lifecycle event in the view of
-    /// the node that owns the pool (a disaggregated request has one view per
-    /// node; see `kvsan_sanitizer::Scope`).
-    pub request_event_at: Option<RequestEventAtFn>,
+macro_rules! define_hook_table {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident = $name:ident($($arg:ident: $ty:ty $([$size:ident])?),*), $minor:literal, $fn:ident;
+    )*) => {
+        /// The versioned hook table (layout in the module documentation): a
+        /// header, then one function pointer a hook of the list
+        /// ([`crate::for_each_hook!`]), in its order. A null function
+        /// pointer makes the table invalid.
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug)]
+        pub struct KvsanHookTable {
+            /// `size_of::<KvsanHookTable>()` as the library was built.
+            pub size: u32,
+            /// [`HOOK_TABLE_VERSION_MAJOR`].
+            pub version_major: u16,
+            /// The library's minor version.
+            pub version_minor: u16,
+            /// [`KVSAN_FLAG_POISON`] and future flags.
+            pub flags: u32,
+            /// Freed pages the engine holds back before reuse.
+            pub quarantine_pages: u32,
+            /// Passed to every hook.
+            pub ctx: *mut c_void,
+            $(
+                #[doc = concat!("`", stringify!($name), "` (version 1.", $minor, ").")]
+                #[doc = ""]
+                $(#[$doc])*
+                pub $name: Option<$fn>,
+            )*
+        }
+
+        /// The function type of each hook of the table, by the hook's name:
+        /// `ctx`, then the hook's arguments in the list, returning a verdict.
+        #[allow(non_camel_case_types)]
+        pub mod fn_of {
+            use super::*;
+
+            $(
+                #[doc = concat!("`", stringify!($name), "`.")]
+                pub type $name =
+                    unsafe extern "C" fn(ctx: *mut c_void, $($arg: $ty),*) -> KvsanVerdict;
+            )*
+        }
+
+        // The type the list names for each hook is that hook's.
+        $(const _: Option<$fn> = None::<fn_of::$name>;)*
+
+        impl KvsanHookTable {
+            /// Whether the table's `hook` is set (`false` for a hook that is
+            /// not in the table).
+            #[must_use]
+            #[allow(unreachable_patterns)]
+            pub const fn is_set(&self, hook: Hook) -> bool {
+                match hook {
+                    $(Hook::$variant => self.$name.is_some(),)*
+                    _ => false,
+                }
+            }
+
+            /// Where `hook`'s function pointer is in the table; `None` for a
+            /// hook that is not in the table.
+            #[must_use]
+            #[allow(unreachable_patterns)]
+            pub const fn offset_of(hook: Hook) -> Option<usize> {
+                match hook {
+                    $(Hook::$variant => Some(std::mem::offset_of!(KvsanHookTable, $name)),)*
+                    _ => None,
+                }
+            }
+        }
+    };
 }
 
+crate::for_each_hook!(table => define_hook_table);
+
+/// Bytes of a version `1.minor` table: the header and the hooks of minor
+/// versions up to `minor` (a newer minor only appends).
+#[must_use]
+pub const fn hook_table_size(minor: u16) -> usize {
+    let mut end = std::mem::offset_of!(KvsanHookTable, ctx) + size_of::<*mut c_void>();
+    let mut i = 0;
+    while i < Hook::ALL.len() {
+        let hook = Hook::ALL[i];
+        if let (Some(since), Some(offset)) = (hook.table_minor(), KvsanHookTable::offset_of(hook))
+            && since <= minor
+            && offset + HOOK_SIZE > end
+        {
+            end = offset + HOOK_SIZE;
+        }
+        i += 1;
+    }
+    end
+}
+
+/// Bytes of one hook's function pointer.
+const HOOK_SIZE: usize = size_of::<Option<PageFn>>();
+
 /// Size of a version 1.0 table (without the kernel hooks).
-pub const HOOK_TABLE_V1_0_SIZE: usize = std::mem::offset_of!(KvsanHookTable, kernel_shadow);
+pub const HOOK_TABLE_V1_0_SIZE: usize = hook_table_size(0);
+
+// The list keeps the table append-only: in table order no hook is of an
+// older minor version than the one before it, and this build's table is
+// exactly its version's size.
+const _: () = {
+    let mut i = 0;
+    let mut last = (0, 0);
+    while i < Hook::ALL.len() {
+        let hook = Hook::ALL[i];
+        if let (Some(since), Some(offset)) = (hook.table_minor(), KvsanHookTable::offset_of(hook)) {
+            assert!(
+                since >= last.0 && offset >= last.1,
+                "a newer minor only appends"
+            );
+            assert!(since <= HOOK_TABLE_VERSION_MINOR);
+            last = (since, offset);
+        }
+        i += 1;
+    }
+    assert!(hook_table_size(HOOK_TABLE_VERSION_MINOR) == size_of::<KvsanHookTable>());
+};
 
 /// The getter's type.
 pub type HookTableGetter = unsafe extern "C" fn() -> *const KvsanHookTable;
@@ -802,6 +831,82 @@ pub const fn version_compatible(caller: u32) -> bool {
 #[must_use]
 pub const fn kind_of_code(code: u32) -> Option<ViolationKind> {
     ViolationKind::from_code(code)
+}
+
+#[cfg(not(loom))]
+pub use handle::KernelShadowHandle;
+
+#[cfg(not(loom))]
+mod handle {
+    use std::any::Any;
+    use std::sync::Arc;
+
+    use super::KvsanKernelShadow;
+    use crate::kernel_shadow::KernelShadow;
+
+    /// The kernel shadow of one pool as a hook target hands it to an engine:
+    /// its C description ([`KvsanKernelShadow`]), checked once, kept alive with
+    /// what owns the memory.
+    ///
+    /// It describes memory a sanitizer owns (records, written bits, counters):
+    /// the sanitizer keeps it for its whole life, and `keep` holds that
+    /// sanitizer (or nothing, for a preloaded library whose sanitizer lives as
+    /// long as the process).
+    pub struct KernelShadowHandle {
+        raw: KvsanKernelShadow,
+        _keep: Option<Arc<dyn Any + Send + Sync>>,
+    }
+
+    // SAFETY: the raw pointers address atomics (records, bits, counters) that
+    // any thread may access; `keep` is Send + Sync.
+    unsafe impl Send for KernelShadowHandle {}
+    // SAFETY: as for `Send`: shared access is only atomic loads and RMWs.
+    unsafe impl Sync for KernelShadowHandle {}
+
+    impl std::fmt::Debug for KernelShadowHandle {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("KernelShadowHandle")
+                .field("pages", &self.raw.pages)
+                .field("page_slots", &self.raw.page_slots)
+                .field("layers", &self.raw.layers)
+                .finish_non_exhaustive()
+        }
+    }
+
+    impl KernelShadowHandle {
+        /// A handle for `raw`, after checking that it describes this build's
+        /// layout.
+        ///
+        /// # Errors
+        /// What in `raw` does not match this build's layout.
+        ///
+        /// # Safety
+        /// - `raw` describes a live pool's kernel shadow whose memory stays
+        ///   allocated while `keep` is held (or for the rest of the process).
+        pub unsafe fn new(
+            raw: KvsanKernelShadow,
+            keep: Option<Arc<dyn Any + Send + Sync>>,
+        ) -> Result<KernelShadowHandle, &'static str> {
+            // SAFETY: the caller's contract; checked here once.
+            unsafe { KernelShadow::from_raw(&raw) }?;
+            Ok(KernelShadowHandle { raw, _keep: keep })
+        }
+
+        /// The kernels' view.
+        #[must_use]
+        pub fn view(&self) -> KernelShadow<'_> {
+            // SAFETY: `new` checked the description; the memory lives while
+            // `self` (and so `keep`) does.
+            unsafe { KernelShadow::from_raw(&self.raw) }
+                .expect("a checked kernel-shadow description stays valid")
+        }
+
+        /// Pages, slots per page and layers the shadow covers.
+        #[must_use]
+        pub fn geometry(&self) -> (u32, u32, u32) {
+            (self.raw.pages, self.raw.page_slots, self.raw.layers)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,8 +11,9 @@
 //! | module | what lives there |
 //! | --- | --- |
 //! | `block_table` | `BlockTable`: a request's pages, and which pages and slots hold tokens `a..b` |
+//! | `hooks` | the one list of hooks (`for_each_hook!`), from which the hook table, the engine's hook trait and the shim's C functions are generated; `Hook` |
 //! | `abi` | the C ABI: `#[repr(C)]` hook table, page refs, manifests, verdicts, status codes, the kernel shadow's C description |
-//! | `ids` | pool, page, generation, request, tenant, owner ids |
+//! | `ids` | pool, page, generation, request, tenant, owner ids (crate `kvsan-ids`, re-exported) |
 //! | `geometry` | `PoolGeometry`, `NodeRole` |
 //! | `shadow` | per-page state word, owner, written bitmap; lock-free transitions |
 //! | `kernel_shadow` | the shadow as the KV kernels check it in place: fast read and store checks, counters |
@@ -33,6 +34,7 @@ pub mod block_table;
 pub mod error;
 pub mod geometry;
 pub mod history;
+pub mod hooks;
 pub mod ids;
 pub mod kernel_shadow;
 pub mod lifecycle;
@@ -47,10 +49,13 @@ pub mod sync;
 pub mod transfer;
 pub mod violation;
 
+#[cfg(not(loom))]
+pub use abi::KernelShadowHandle;
 pub use block_table::{BlockTable, Span};
 pub use error::SanitizerError;
 pub use geometry::{NodeRole, PoolGeometry};
 pub use history::{EventKind, HistoryEvent};
+pub use hooks::Hook;
 pub use ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId, TenantId};
 pub use kernel_shadow::{AccessOp, Check, KernelAccess, KernelShadow};
 pub use lifecycle::{RequestEvent, RequestState, Scope, Transition};

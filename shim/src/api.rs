@@ -117,88 +117,122 @@ pub extern "C" fn kvsan_attached() -> i32 {
     std::panic::catch_unwind(|| i32::from(matches!(attach(), Attach::Attached(_)))).unwrap_or(0)
 }
 
-/// Registers a pool and writes its id.
-///
-/// # Safety
-/// - `geometry` is null or points to a readable `KvsanPoolGeometry` of
-///   `geometry_size` bytes whose `node`/`node_len` are readable;
-/// - `pool_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_pool_register(
-    geometry: *const KvsanPoolGeometry,
-    geometry_size: usize,
-    pool_out: *mut u32,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_pool_register";
-    status(CALL, || {
-        if pool_out.is_null() {
-            return Err(null(CALL, "pool_out"));
-        }
-        if geometry.is_null() {
-            return Err(null(CALL, "geometry"));
-        }
-        check_size(
-            CALL,
-            "geometry_size",
-            "KvsanPoolGeometry",
-            geometry_size,
-            size_of::<KvsanPoolGeometry>(),
-        )?;
-        // SAFETY: readable for its size (checked equal to ours) by the
-        // caller's contract.
-        let g = unsafe { calls::geometry(CALL, geometry) }?;
-        let id = calls::pool_register(CALL, g)?;
-        // SAFETY: non-null, writable by the caller's contract.
-        unsafe { pool_out.write_unaligned(id.0) };
-        Ok(())
-    })
+/// A sized pointer argument: a struct the caller also passes the size of.
+trait StructPointer {
+    /// The struct.
+    type Struct;
+    fn is_null(&self) -> bool;
 }
 
-/// A request enters state `event` (0 queued, 1 admitted, 2 prefilling,
-/// 3 transferring, 4 decoding, 5 finished, 6 rejected, 7 aborted).
-///
-/// # Safety
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_request_event(
-    owner: KvsanOwner,
-    event: u32,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_request_event";
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe {
-        checked(CALL, verdict_out, || {
-            calls::request_event(CALL, owner, event)
-        })
+impl<T> StructPointer for *const T {
+    type Struct = T;
+    fn is_null(&self) -> bool {
+        <*const T>::is_null(*self)
     }
 }
 
-/// A request enters state `event` as the node that owns `pool` sees it: a
-/// disaggregated engine reports each node's events this way, so a cancel
-/// one node reports does not end the request for its peer before the peer
-/// is told (it reports its own end then).
-///
-/// # Safety
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_request_event_at(
-    pool: u32,
-    owner: KvsanOwner,
-    event: u32,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_request_event_at";
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe {
-        checked(CALL, verdict_out, || {
-            calls::request_event_at(CALL, pool, owner, event)
-        })
+impl<T> StructPointer for *mut T {
+    type Struct = T;
+    fn is_null(&self) -> bool {
+        <*mut T>::is_null(*self)
     }
 }
+
+/// Refuses a null `pointer` (argument `argument`) and a `size` (argument
+/// `size_argument`) other than this library's size of its struct.
+fn sized<P: StructPointer>(
+    call: &'static str,
+    argument: &'static str,
+    pointer: &P,
+    size_argument: &'static str,
+    size: usize,
+) -> Result<(), ShimError> {
+    if pointer.is_null() {
+        return Err(null(call, argument));
+    }
+    let type_name = std::any::type_name::<P::Struct>();
+    check_size(
+        call,
+        size_argument,
+        type_name.rsplit("::").next().unwrap_or(type_name),
+        size,
+        size_of::<P::Struct>(),
+    )
+}
+
+/// The `kvsan_*` functions of the list of hooks: each checks the struct
+/// sizes it is given and runs `calls::<hook>`, guarded.
+macro_rules! exports {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident($($arg:ident: $ty:ty $([$size:ident])?),*), $export:ident, $shape:ident;
+    )*) => {
+        $(export! { $shape $(#[$doc])* $name $export($($arg: $ty $([$size])?),*) })*
+    };
+}
+
+/// One export, by its shape (`kvsan_sanitizer::hooks`).
+macro_rules! export {
+    (verdict $(#[$doc:meta])* $name:ident $export:ident($($arg:ident: $ty:ty $([$size:ident])?),*)) => {
+        $(#[$doc])*
+        ///
+        /// Returns `KVSAN_OK` and writes the verdict to `verdict_out`, or a
+        /// `KVSAN_ERR_*` code.
+        ///
+        /// # Safety
+        /// - Every pointer argument is null or valid for the call as
+        ///   `kvsan.h` says (a struct of the size its `*_size` argument gives,
+        ///   a block table of `table_len` entries);
+        /// - `verdict_out` is null or writable.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments, unused_unsafe)]
+        pub unsafe extern "C" fn $export(
+            $($arg: $ty, $($size: usize,)?)*
+            verdict_out: *mut KvsanVerdict,
+        ) -> AbiStatus {
+            const CALL: &str = stringify!($export);
+            let body = || {
+                $($(sized(CALL, stringify!($arg), &$arg, stringify!($size), $size)?;)?)*
+                // SAFETY: the caller's contract on the pointer arguments.
+                unsafe { calls::$name(CALL, $($arg),*) }
+            };
+            // SAFETY: the caller's contract on `verdict_out`.
+            unsafe { checked(CALL, verdict_out, body) }
+        }
+    };
+    (status $(#[$doc:meta])* $name:ident $export:ident($($arg:ident: $ty:ty $([$size:ident])?),*)) => {
+        $(#[$doc])*
+        ///
+        /// Returns `KVSAN_OK` once it wrote its answer, or a `KVSAN_ERR_*` code.
+        ///
+        /// # Safety
+        /// - Every pointer argument is null or valid for the call as
+        ///   `kvsan.h` says (a struct of the size its `*_size` argument gives).
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments, unused_unsafe)]
+        pub unsafe extern "C" fn $export($($arg: $ty, $($size: usize,)?)*) -> AbiStatus {
+            const CALL: &str = stringify!($export);
+            status(CALL, || {
+                $($(sized(CALL, stringify!($arg), &$arg, stringify!($size), $size)?;)?)*
+                // SAFETY: the caller's contract on the pointer arguments.
+                unsafe { calls::$name(CALL, $($arg),*) }.map(drop)
+            })
+        }
+    };
+    (by_hand $(#[$doc:meta])* $name:ident $export:ident($($arg:ident: $ty:ty $([$size:ident])?),*)) => {
+        // Another signature than the hook table's, written out in this file.
+        const _: () = {
+            let _ = $export;
+        };
+    };
+}
+
+kvsan_sanitizer::for_each_hook!(export => exports);
 
 /// The engine took page `page` of `pool` from its free list for `owner`;
-/// writes the page's new `KvsanPageRef` (its tag for the block table).
+/// writes the page's new `KvsanPageRef` (its tag for the block table). The
+/// list's `alloc`, with the page index in and the `PageRef` out, where the
+/// hook table's engine passes the `PageRef` it counted itself.
 ///
 /// # Safety
 /// - `page_out` and `verdict_out` are null or writable.
@@ -216,7 +250,7 @@ pub unsafe extern "C" fn kvsan_alloc(
         if page_out.is_null() {
             return Err(null(CALL, "page_out"));
         }
-        let (verdict, generation) = calls::alloc(CALL, pool, owner, page, step)?;
+        let (verdict, generation) = calls::alloc_page(CALL, pool, owner, page, step)?;
         // SAFETY: non-null, writable by the caller's contract.
         unsafe {
             page_out.write_unaligned(KvsanPageRef {
@@ -225,262 +259,6 @@ pub unsafe extern "C" fn kvsan_alloc(
             });
         };
         Ok(verdict)
-    };
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe { checked(CALL, verdict_out, body) }
-}
-
-/// `owner` returns `page` to `pool`.
-///
-/// # Safety
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_free(
-    pool: u32,
-    owner: KvsanOwner,
-    page: KvsanPageRef,
-    step: u64,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_free";
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe {
-        checked(CALL, verdict_out, || {
-            calls::free(CALL, pool, owner, page, step)
-        })
-    }
-}
-
-/// The prefix cache shares `page` read-only with `sharer`.
-///
-/// # Safety
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_share(
-    pool: u32,
-    page: KvsanPageRef,
-    sharer: KvsanOwner,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_share";
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe { checked(CALL, verdict_out, || calls::share(CALL, pool, page, sharer)) }
-}
-
-/// `owner` computed KV into `slots` × `layers` of `page`.
-///
-/// # Safety
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_write(
-    pool: u32,
-    owner: KvsanOwner,
-    page: KvsanPageRef,
-    slots: KvsanRange,
-    layers: KvsanRange,
-    step: u64,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_write";
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe {
-        checked(CALL, verdict_out, || {
-            calls::write(CALL, pool, owner, page, slots, layers, step)
-        })
-    }
-}
-
-/// Attention of `owner` is about to read the first `tokens` positions of
-/// the block table `table[0..table_len]` for `layers`.
-///
-/// # Safety
-/// - `table` is null or readable for `table_len` entries;
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_read(
-    pool: u32,
-    owner: KvsanOwner,
-    table: *const KvsanPageRef,
-    table_len: usize,
-    tokens: u64,
-    layers: KvsanRange,
-    step: u64,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_read";
-    let body = || {
-        // SAFETY: the caller's contract on `table`.
-        let table = unsafe { calls::page_refs(CALL, "table", table, table_len) }?;
-        calls::read(CALL, pool, owner, table, tokens, layers, step)
-    };
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe { checked(CALL, verdict_out, body) }
-}
-
-/// Describes pool `pool`'s kernel shadow into `out` (`out_size` must be
-/// `sizeof(KvsanKernelShadow)`): the page records and written bits an
-/// engine's kernels check each KV access against in place, and the two
-/// check counters they bump. The memory is the library's, valid for the
-/// rest of the process; records and bits are only read and updated with
-/// atomic operations (`kvsan.h` documents the layout).
-///
-/// # Safety
-/// - `out` is null or writable for `out_size` bytes.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_kernel_shadow(
-    pool: u32,
-    out: *mut KvsanKernelShadow,
-    out_size: usize,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_kernel_shadow";
-    status(CALL, || {
-        check_size(
-            CALL,
-            "out_size",
-            "KvsanKernelShadow",
-            out_size,
-            size_of::<KvsanKernelShadow>(),
-        )?;
-        if out.is_null() {
-            return Err(null(CALL, "out"));
-        }
-        let raw = calls::kernel_shadow(CALL, pool)?;
-        // SAFETY: non-null, writable for a whole description by the
-        // caller's contract (its size was checked).
-        unsafe { out.write_unaligned(raw) };
-        Ok(())
-    })
-}
-
-/// The cold path of a kernel access that did not pass its in-place check
-/// against the kernel shadow: `owner`'s batch row was about to make
-/// `access` (`access_size` must be `sizeof(KvsanKernelAccess)`) at `step`.
-/// The access is checked against the whole shadow (sharers included) and a
-/// violation is reported; the verdict says whether the kernel may go on.
-///
-/// # Safety
-/// - `access` is null or readable for `access_size` bytes;
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_kernel_refusal(
-    pool: u32,
-    owner: KvsanOwner,
-    access: *const KvsanKernelAccess,
-    access_size: usize,
-    step: u64,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_kernel_refusal";
-    let body = || {
-        check_size(
-            CALL,
-            "access_size",
-            "KvsanKernelAccess",
-            access_size,
-            size_of::<KvsanKernelAccess>(),
-        )?;
-        // SAFETY: the caller's contract on `access`.
-        let access = unsafe { calls::kernel_access(CALL, access) }?;
-        calls::kernel_refusal(CALL, pool, owner, &access, step)
-    };
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe { checked(CALL, verdict_out, body) }
-}
-
-/// # Safety
-/// - `manifest` is null or readable for `manifest_size` bytes, its tables
-///   readable for their lengths;
-/// - `verdict_out` is null or writable.
-unsafe fn transfer(
-    call: &'static str,
-    manifest: *const KvsanManifest,
-    manifest_size: usize,
-    verdict_out: *mut KvsanVerdict,
-    body: impl FnOnce(&kvsan_sanitizer::Manifest) -> Result<Verdict, ShimError>,
-) -> AbiStatus {
-    let checked_body = || {
-        if manifest.is_null() {
-            return Err(null(call, "manifest"));
-        }
-        check_size(
-            call,
-            "manifest_size",
-            "KvsanManifest",
-            manifest_size,
-            size_of::<KvsanManifest>(),
-        )?;
-        // SAFETY: the caller's contract on `manifest` (its size checked
-        // equal to ours).
-        let m = unsafe { calls::manifest(call, manifest) }?;
-        body(&m)
-    };
-    // SAFETY: the caller's contract on `verdict_out`.
-    unsafe { checked(call, verdict_out, checked_body) }
-}
-
-/// The sender (pool `pool`) ships what `manifest` describes.
-///
-/// # Safety
-/// - `manifest` is null or readable for `manifest_size` bytes, its tables
-///   readable for their lengths;
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_transfer_send(
-    pool: u32,
-    manifest: *const KvsanManifest,
-    manifest_size: usize,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_transfer_send";
-    // SAFETY: the caller's contract, passed on.
-    unsafe {
-        transfer(CALL, manifest, manifest_size, verdict_out, |m| {
-            calls::transfer_send(CALL, pool, m)
-        })
-    }
-}
-
-/// The bytes `manifest` describes landed in the receiver's (`pool`) pages.
-///
-/// # Safety
-/// As [`kvsan_transfer_send`].
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_transfer_recv(
-    pool: u32,
-    manifest: *const KvsanManifest,
-    manifest_size: usize,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_transfer_recv";
-    // SAFETY: the caller's contract, passed on.
-    unsafe {
-        transfer(CALL, manifest, manifest_size, verdict_out, |m| {
-            calls::transfer_recv(CALL, pool, m)
-        })
-    }
-}
-
-/// The receiver starts using the first `committed_tokens` positions of
-/// `table[0..table_len]`.
-///
-/// # Safety
-/// - `table` is null or readable for `table_len` entries;
-/// - `verdict_out` is null or writable.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvsan_transfer_commit(
-    pool: u32,
-    owner: KvsanOwner,
-    table: *const KvsanPageRef,
-    table_len: usize,
-    committed_tokens: u64,
-    verdict_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_transfer_commit";
-    let body = || {
-        // SAFETY: the caller's contract on `table`.
-        let table = unsafe { calls::page_refs(CALL, "table", table, table_len) }?;
-        calls::transfer_commit(CALL, pool, owner, table, committed_tokens)
     };
     // SAFETY: the caller's contract on `verdict_out`.
     unsafe { checked(CALL, verdict_out, body) }

@@ -25,7 +25,7 @@ fn sanitizer_error(
 }
 
 /// The owner of a C owner; the reserved field must be 0.
-pub(crate) fn owner(call: &'static str, owner: KvsanOwner) -> Result<Owner, ShimError> {
+fn owner(call: &'static str, owner: KvsanOwner) -> Result<Owner, ShimError> {
     if owner.reserved != 0 {
         return Err(ShimError::InvalidArgument {
             call,
@@ -71,7 +71,7 @@ fn check_array<T>(
 /// # Safety
 /// - `ptr` is null, or points to `len` readable `KvsanPageRef`s that stay
 ///   unchanged for `'a`.
-pub(crate) unsafe fn page_refs<'a>(
+unsafe fn page_refs<'a>(
     call: &'static str,
     argument: &'static str,
     ptr: *const KvsanPageRef,
@@ -91,7 +91,7 @@ pub(crate) unsafe fn page_refs<'a>(
 /// # Safety
 /// - `g` is null or points to a readable `KvsanPoolGeometry` whose
 ///   `node`/`node_len` describe readable bytes (or `node_len` is 0).
-pub(crate) unsafe fn geometry(
+unsafe fn geometry(
     call: &'static str,
     g: *const KvsanPoolGeometry,
 ) -> Result<PoolGeometry, ShimError> {
@@ -133,10 +133,7 @@ pub(crate) unsafe fn geometry(
 /// # Safety
 /// - `m` is null or points to a readable `KvsanManifest` whose two block
 ///   tables are readable for their lengths (or have length 0).
-pub(crate) unsafe fn manifest(
-    call: &'static str,
-    m: *const KvsanManifest,
-) -> Result<Manifest, ShimError> {
+unsafe fn manifest(call: &'static str, m: *const KvsanManifest) -> Result<Manifest, ShimError> {
     if m.is_null() {
         return Err(ShimError::Null {
             call,
@@ -160,9 +157,31 @@ fn san() -> Result<&'static Sanitizer, ShimError> {
     sanitizer()
 }
 
-/// Registers a pool; says so on stderr (which processes are sanitized is
-/// then visible in a staging log).
-pub(crate) fn pool_register(call: &'static str, g: PoolGeometry) -> Result<PoolId, ShimError> {
+// One function a hook of the list (`kvsan_sanitizer::for_each_hook!`), by
+// its name, with its C arguments after the name of the function called
+// (for messages); the table's hooks and the `kvsan_*` exports are generated
+// around them. A pointer argument makes the function `unsafe`: it is null or
+// valid as the header says for that argument.
+
+/// Registers the pool at `geometry` and writes its id; says so on stderr
+/// (which processes are sanitized is then visible in a staging log).
+///
+/// # Safety
+/// - `geometry` as in [`geometry`];
+/// - `pool_out` is null or writable.
+pub(crate) unsafe fn pool_register(
+    call: &'static str,
+    geometry: *const KvsanPoolGeometry,
+    pool_out: *mut u32,
+) -> Result<Verdict, ShimError> {
+    if pool_out.is_null() {
+        return Err(ShimError::Null {
+            call,
+            argument: "pool_out",
+        });
+    }
+    // SAFETY: the caller's contract on `geometry`.
+    let g = unsafe { self::geometry(call, geometry) }?;
     let s = san()?;
     let (node, role, pages, slots, layers) =
         (g.node.clone(), g.role, g.pages, g.page_slots, g.layers);
@@ -171,7 +190,9 @@ pub(crate) fn pool_register(call: &'static str, g: PoolGeometry) -> Result<PoolI
         "kvsan: shadowing {id} (node {node:?}, role {}, {pages} pages x {slots} slots x {layers} layers)",
         role.name()
     ));
-    Ok(id)
+    // SAFETY: non-null, writable by the caller's contract.
+    unsafe { pool_out.write_unaligned(id.0) };
+    Ok(Verdict::Continue)
 }
 
 /// The request event of a C event code.
@@ -208,8 +229,8 @@ pub(crate) fn request_event_at(
 }
 
 /// Allocation of page index `page`; returns the verdict and the page's new
-/// generation.
-pub(crate) fn alloc(
+/// generation (`kvsan_alloc`, whose caller learns the generation from it).
+pub(crate) fn alloc_page(
     call: &'static str,
     pool: u32,
     o: KvsanOwner,
@@ -225,14 +246,14 @@ pub(crate) fn alloc(
 /// Allocation of `page` by an engine that counts generations itself (the
 /// hook table): a generation other than the shadow's is misuse, as in the
 /// engine's in-process adapter.
-pub(crate) fn alloc_expecting(
+pub(crate) fn alloc(
     call: &'static str,
     pool: u32,
     o: KvsanOwner,
     page: KvsanPageRef,
     step: u64,
 ) -> Result<Verdict, ShimError> {
-    let (verdict, generation) = alloc(call, pool, o, page.page, step)?;
+    let (verdict, generation) = alloc_page(call, pool, o, page.page, step)?;
     if generation.0 != page.generation && verdict.is_continue() {
         return Err(ShimError::Generation {
             pool,
@@ -303,16 +324,23 @@ fn tokens(call: &'static str, argument: &'static str, tokens: u64) -> Result<usi
     })
 }
 
-/// A read of the first `n` tokens of `table` for `layers`.
-pub(crate) fn read(
+/// A read of the first `n` tokens of `table[0..table_len]` for `layers`.
+///
+/// # Safety
+/// - `table` as in [`page_refs`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn read(
     call: &'static str,
     pool: u32,
     o: KvsanOwner,
-    table: &[PageRef],
+    table: *const KvsanPageRef,
+    table_len: usize,
     n: u64,
     layers: KvsanRange,
     step: u64,
 ) -> Result<Verdict, ShimError> {
+    // SAFETY: the caller's contract on `table`.
+    let table = unsafe { page_refs(call, "table", table, table_len) }?;
     let o = owner(call, o)?;
     let n = tokens(call, "tokens", n)?;
     san()?
@@ -320,36 +348,53 @@ pub(crate) fn read(
         .map_err(sanitizer_error(call))
 }
 
-/// The sender ships `m`.
-pub(crate) fn transfer_send(
+/// The sender ships the manifest at `m`.
+///
+/// # Safety
+/// - `m` as in [`manifest`].
+pub(crate) unsafe fn transfer_send(
     call: &'static str,
     pool: u32,
-    m: &Manifest,
+    m: *const KvsanManifest,
 ) -> Result<Verdict, ShimError> {
+    // SAFETY: the caller's contract on `m`.
+    let m = unsafe { manifest(call, m) }?;
     san()?
-        .transfer_send(PoolId(pool), m)
+        .transfer_send(PoolId(pool), &m)
         .map_err(sanitizer_error(call))
 }
 
-/// `m`'s bytes landed.
-pub(crate) fn transfer_recv(
+/// The bytes of the manifest at `m` landed.
+///
+/// # Safety
+/// - `m` as in [`manifest`].
+pub(crate) unsafe fn transfer_recv(
     call: &'static str,
     pool: u32,
-    m: &Manifest,
+    m: *const KvsanManifest,
 ) -> Result<Verdict, ShimError> {
+    // SAFETY: the caller's contract on `m`.
+    let m = unsafe { manifest(call, m) }?;
     san()?
-        .transfer_recv(PoolId(pool), m)
+        .transfer_recv(PoolId(pool), &m)
         .map_err(sanitizer_error(call))
 }
 
-/// The receiver starts using the first `committed` tokens of `table`.
-pub(crate) fn transfer_commit(
+/// The receiver starts using the first `committed` tokens of
+/// `table[0..table_len]`.
+///
+/// # Safety
+/// - `table` as in [`page_refs`].
+pub(crate) unsafe fn transfer_commit(
     call: &'static str,
     pool: u32,
     o: KvsanOwner,
-    table: &[PageRef],
+    table: *const KvsanPageRef,
+    table_len: usize,
     committed: u64,
 ) -> Result<Verdict, ShimError> {
+    // SAFETY: the caller's contract on `table`.
+    let table = unsafe { page_refs(call, "table", table, table_len) }?;
     let o = owner(call, o)?;
     let committed = tokens(call, "committed_tokens", committed)?;
     san()?
@@ -357,20 +402,37 @@ pub(crate) fn transfer_commit(
         .map_err(sanitizer_error(call))
 }
 
-/// Where pool `pool`'s kernel shadow lives (the sanitizer's memory, valid
-/// for the rest of the process).
-pub(crate) fn kernel_shadow(call: &'static str, pool: u32) -> Result<KvsanKernelShadow, ShimError> {
-    Ok(san()?
+/// Describes pool `pool`'s kernel shadow (the sanitizer's memory, valid
+/// for the rest of the process) into `out`.
+///
+/// # Safety
+/// - `out` is null or writable for one `KvsanKernelShadow`.
+pub(crate) unsafe fn kernel_shadow(
+    call: &'static str,
+    pool: u32,
+    out: *mut KvsanKernelShadow,
+) -> Result<Verdict, ShimError> {
+    if out.is_null() {
+        return Err(ShimError::Null {
+            call,
+            argument: "out",
+        });
+    }
+    let raw = san()?
         .kernel_shadow(PoolId(pool))
         .map_err(sanitizer_error(call))?
-        .to_raw())
+        .to_raw();
+    // SAFETY: non-null, writable for a whole description by the caller's
+    // contract.
+    unsafe { out.write_unaligned(raw) };
+    Ok(Verdict::Continue)
 }
 
 /// The access at `a`, checked.
 ///
 /// # Safety
 /// - `a` is null or points to a readable `KvsanKernelAccess`.
-pub(crate) unsafe fn kernel_access(
+unsafe fn kernel_access(
     call: &'static str,
     a: *const KvsanKernelAccess,
 ) -> Result<kvsan_sanitizer::KernelAccess, ShimError> {
@@ -398,16 +460,22 @@ pub(crate) unsafe fn kernel_access(
     })
 }
 
-/// The cold path of a kernel access that did not pass its in-place check.
-pub(crate) fn kernel_refusal(
+/// The cold path of the kernel access at `access`, which did not pass its
+/// in-place check.
+///
+/// # Safety
+/// - `access` as in [`kernel_access`].
+pub(crate) unsafe fn kernel_refusal(
     call: &'static str,
     pool: u32,
     o: KvsanOwner,
-    access: &kvsan_sanitizer::KernelAccess,
+    access: *const KvsanKernelAccess,
     step: u64,
 ) -> Result<Verdict, ShimError> {
+    // SAFETY: the caller's contract on `access`.
+    let access = unsafe { kernel_access(call, access) }?;
     let o = owner(call, o)?;
     san()?
-        .kernel_refusal(PoolId(pool), o, access, step)
+        .kernel_refusal(PoolId(pool), o, &access, step)
         .map_err(sanitizer_error(call))
 }

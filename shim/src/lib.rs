@@ -12,15 +12,19 @@
 //! | module | what lives there |
 //! | --- | --- |
 //! | `attach` | load-time constructor, `KVSAN_OPTIONS`, banner, sanitizer started at first use, exit summary |
-//! | `table` | the versioned hook table the engine looks up |
-//! | `api` | the plain C functions of `include/kvsan.h` |
-//! | `calls` | argument checks and the operations both faces share |
+//! | `table` | the versioned hook table the engine looks up (its hooks generated from the list) |
+//! | `api` | the plain C functions of `include/kvsan.h` (those of the list's hooks generated from it) |
+//! | `calls` | argument checks, and one operation a hook of the list that both faces run |
 //! | `guard` | panics caught at the boundary, refused calls printed and kept |
 //! | `error` | `ShimError` and its status codes |
 //!
-//! The layout of every type is [`kvsan_sanitizer::abi`]; the header
-//! `include/kvsan.h` declares the same, and a test compiles it with a C
-//! compiler and compares sizes and offsets.
+//! The hooks are one list, [`kvsan_sanitizer::for_each_hook!`]: for each,
+//! the table's function and (except `kvsan_alloc`, whose C signature
+//! differs and is written out in `api`) the `kvsan_*` export are generated
+//! around `calls::<hook>`, written by hand. The layout of every type is
+//! [`kvsan_sanitizer::abi`]; the header `include/kvsan.h` declares the same,
+//! and tests compile it with a C compiler and compare sizes and offsets,
+//! and compare its hook table and prototypes with the list.
 #![warn(missing_docs)]
 
 pub mod api;

@@ -6,12 +6,13 @@
 //! the library the lookup returns null and nothing is attached.
 //!
 //! The table's layout, the `#[repr(C)]` types and the constants are the
-//! sanitizer's C ABI, [`kvsan_sanitizer::abi`] (re-exported here):
+//! sanitizer's C ABI, [`kvsan_sanitizer::abi`] (re-exported here); its hooks
+//! are those of the list, [`kvsan_sanitizer::for_each_hook!`], in order:
 //!
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!  KvsanHookTable { u32 size; u16 version_major, version_minor; u32 flags,
-//!                   quarantine_pages; void *ctx; 11 hooks … }  (112 bytes, v1.1;
+//!                   quarantine_pages; void *ctx; 12 hooks … }  (120 bytes, v1.1;
 //!                                                               96 bytes, v1.0)
 //!  every hook returns KvsanVerdict { u32 code; u32 kind; u64 violation_id }
 //! ```
@@ -23,11 +24,14 @@
 //!   hook, or another major version is not attached: the engine says so
 //!   loudly (stderr and the log) and runs without hooks — never a crash.
 //!   A larger table (a newer minor version) is attached; the engine uses the
-//!   fields it knows.
-//! - A version 1.0 table has no `kernel_shadow`/`kernel_refusal`: it is
-//!   attached, and the engine says loudly that its KV stores and attention
-//!   reads go unchecked (the engine's kernels check against a kernel
-//!   shadow, not through `read`/`write` calls, which it never makes).
+//!   fields it knows: the hooks of the newest minor version that both the
+//!   table's version and its size cover ([`hook_table_size`]); every one of
+//!   those must be non-null.
+//! - A version 1.0 table has no `kernel_shadow`/`kernel_refusal`/
+//!   `request_event_at`: it is attached, and the engine says loudly that its
+//!   KV stores and attention reads go unchecked (the engine's kernels check
+//!   against a kernel shadow, not through `read`/`write` calls, which it
+//!   never makes); lifecycle events go to `request_event`, the process's view.
 //! - Hooks may be called from several threads at once, for the rest of the
 //!   process; the table, `ctx` and the functions must stay valid that long.
 //! - `pool_register` returns code 0 and writes the pool id, or refuses the
@@ -40,88 +44,25 @@
 //!   the request: the library found something and continuing could let a leak
 //!   through. The violation id is kept (the library's report has the real
 //!   kind); the kind the engine shows is the one the hook's own check is
-//!   named after ([`fallback_kind`]: `stale-read` for `read`,
+//!   named after ([`Hook::main_violation`]: `stale-read` for `read`,
 //!   `write-after-free` for `transfer_recv`, …), and the raw index is logged.
 
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use kvsan_sanitizer::Hook;
 use kvsan_sanitizer::{
     KernelAccess, Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Verdict,
     ViolationId, ViolationKind,
 };
 
-use super::{HookSettings, KernelShadowHandle, KvHooks};
+use super::{HookSettings, KvHooks};
 use crate::EngineError;
 
 // The C ABI types and constants live with the sanitizer (the ABI is the
 // sanitizer's; a library implementing it needs no engine). Re-exported here
 // so engine code speaks of `hooks::ctable::KvsanHookTable` and friends.
 pub use kvsan_sanitizer::abi::*;
-
-/// Which hook a verdict came from (for [`fallback_kind`] and logs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Hook {
-    /// `pool_register`.
-    PoolRegister,
-    /// `request_event`.
-    RequestEvent,
-    /// `alloc`.
-    Alloc,
-    /// `free`.
-    Free,
-    /// `write`.
-    Write,
-    /// `read`.
-    Read,
-    /// `transfer_send`.
-    TransferSend,
-    /// `transfer_recv`.
-    TransferRecv,
-    /// `transfer_commit`.
-    TransferCommit,
-    /// `kernel_shadow`.
-    KernelShadow,
-    /// `kernel_refusal`.
-    KernelRefusal,
-}
-
-impl Hook {
-    /// The hook's name in the table.
-    #[must_use]
-    pub const fn name(self) -> &'static str {
-        match self {
-            Hook::PoolRegister => "pool_register",
-            Hook::RequestEvent => "request_event",
-            Hook::Alloc => "alloc",
-            Hook::Free => "free",
-            Hook::Write => "write",
-            Hook::Read => "read",
-            Hook::TransferSend => "transfer_send",
-            Hook::TransferRecv => "transfer_recv",
-            Hook::TransferCommit => "transfer_commit",
-            Hook::KernelShadow => "kernel_shadow",
-            Hook::KernelRefusal => "kernel_refusal",
-        }
-    }
-}
-
-/// The kind shown for an abort whose kind index (or code) this engine does
-/// not know: the violation the hook's own main check is named after.
-#[must_use]
-pub const fn fallback_kind(hook: Hook) -> ViolationKind {
-    match hook {
-        Hook::PoolRegister | Hook::RequestEvent => ViolationKind::IllegalTransition,
-        Hook::Alloc => ViolationKind::DoubleAlloc,
-        Hook::Free => ViolationKind::DoubleFree,
-        Hook::Write => ViolationKind::ForeignWrite,
-        Hook::Read | Hook::KernelShadow | Hook::KernelRefusal => ViolationKind::StaleRead,
-        Hook::TransferSend => ViolationKind::UnwrittenTransfer,
-        Hook::TransferRecv => ViolationKind::WriteAfterFree,
-        Hook::TransferCommit => ViolationKind::ShortTransfer,
-    }
-}
 
 /// [`KvHooks`] through a validated C hook table.
 #[derive(Debug)]
@@ -208,54 +149,50 @@ impl CTableHooks {
                 "its size is {size} bytes; a version {HOOK_TABLE_VERSION_MAJOR}.0 table needs at least {need}"
             )));
         }
-        // The fields this engine knows, those the library's size covers; a
-        // version 1.0 table ends before the kernel hooks (left null).
+        // SAFETY: `size` ≥ a 1.0 table's bytes are readable, and the
+        // versions follow `size` in every version's header.
+        let (major, minor) = unsafe {
+            (
+                table
+                    .byte_add(std::mem::offset_of!(KvsanHookTable, version_major))
+                    .cast::<u16>()
+                    .read_unaligned(),
+                table
+                    .byte_add(std::mem::offset_of!(KvsanHookTable, version_minor))
+                    .cast::<u16>()
+                    .read_unaligned(),
+            )
+        };
+        if major != HOOK_TABLE_VERSION_MAJOR {
+            return Err(rejected(format!(
+                "its version is {major}.{minor}; this engine speaks major version {HOOK_TABLE_VERSION_MAJOR}"
+            )));
+        }
+        // The hooks this engine knows of the newest minor version that both
+        // the table's version and its size cover; later ones stay null.
+        let known = (0..=minor.min(HOOK_TABLE_VERSION_MINOR))
+            .rev()
+            .find(|&m| hook_table_size(m) <= size)
+            .unwrap_or(0);
         let mut copy = std::mem::MaybeUninit::<KvsanHookTable>::zeroed();
-        let known = size.min(size_of::<KvsanHookTable>());
-        // SAFETY: `known` ≤ `size` bytes are readable at `table`, and fit in
-        // `copy`; every field of the table is valid as all-zero bytes
-        // (integers, a null pointer, `None`), so a copy of a prefix of it is
-        // a valid table.
+        // SAFETY: `hook_table_size(known)` ≤ `size` bytes are readable at
+        // `table`, and fit in `copy`; every field of the table is valid as
+        // all-zero bytes (integers, a null pointer, `None`), so a copy of a
+        // prefix of it is a valid table.
         let copy = unsafe {
             std::ptr::copy_nonoverlapping(
                 table.cast::<u8>(),
                 copy.as_mut_ptr().cast::<u8>(),
-                known,
+                hook_table_size(known),
             );
             copy.assume_init()
         };
-        if copy.version_major != HOOK_TABLE_VERSION_MAJOR {
-            return Err(rejected(format!(
-                "its version is {}.{}; this engine speaks major version {HOOK_TABLE_VERSION_MAJOR}",
-                copy.version_major, copy.version_minor
-            )));
-        }
-        let hooks: [(&str, bool); 9] = [
-            ("pool_register", copy.pool_register.is_none()),
-            ("request_event", copy.request_event.is_none()),
-            ("alloc", copy.alloc.is_none()),
-            ("free", copy.free.is_none()),
-            ("write", copy.write.is_none()),
-            ("read", copy.read.is_none()),
-            ("transfer_send", copy.transfer_send.is_none()),
-            ("transfer_recv", copy.transfer_recv.is_none()),
-            ("transfer_commit", copy.transfer_commit.is_none()),
-        ];
-        if let Some((name, _)) = hooks.iter().find(|(_, null)| *null) {
-            return Err(rejected(format!("its `{name}` hook is null")));
-        }
-        let has_kernel_hooks = size >= size_of::<KvsanHookTable>() && copy.version_minor >= 1;
-        if has_kernel_hooks {
-            for (name, null) in [
-                ("kernel_shadow", copy.kernel_shadow.is_none()),
-                ("kernel_refusal", copy.kernel_refusal.is_none()),
-                ("request_event_at", copy.request_event_at.is_none()),
-            ] {
-                if null {
-                    return Err(rejected(format!("its `{name}` hook is null")));
-                }
+        for &hook in Hook::ALL {
+            if hook.table_minor().is_some_and(|since| since <= known) && !copy.is_set(hook) {
+                return Err(rejected(format!("its `{}` hook is null", hook.name())));
             }
-        } else {
+        }
+        if !copy.is_set(Hook::KernelShadow) {
             eprintln!(
                 "kvsan: hook table version {}.{} has no kernel shadow: KV stores and attention reads go UNCHECKED",
                 copy.version_major, copy.version_minor
@@ -313,7 +250,7 @@ impl CTableHooks {
     #[cold]
     #[inline(never)]
     fn unknown(&self, hook: Hook, v: KvsanVerdict) -> Verdict {
-        let kind = fallback_kind(hook);
+        let kind = hook.main_violation();
         tracing::error!(
             hook = hook.name(),
             code = v.code,
@@ -354,16 +291,21 @@ impl KvHooks for CTableHooks {
     }
 
     fn request_event(&self, pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict {
-        let v = match self.table.request_event_at {
-            // SAFETY: validated table (a 1.1 table's hook); arguments by value.
-            Some(f) => unsafe { f(self.table.ctx, pool.0, owner.into(), event_code(event)) },
+        match self.table.request_event_at {
+            Some(f) => {
+                // SAFETY: validated table (a 1.1 table's hook); arguments by value.
+                let v = unsafe { f(self.table.ctx, pool.0, owner.into(), event_code(event)) };
+                self.verdict(Hook::RequestEventAt, v)
+            }
             // A 1.0 library knows only the process's view.
-            // SAFETY: validated table; arguments by value.
-            None => unsafe {
-                hook!(self.request_event)(self.table.ctx, owner.into(), event_code(event))
-            },
-        };
-        self.verdict(Hook::RequestEvent, v)
+            None => {
+                // SAFETY: validated table; arguments by value.
+                let v = unsafe {
+                    hook!(self.request_event)(self.table.ctx, owner.into(), event_code(event))
+                };
+                self.verdict(Hook::RequestEvent, v)
+            }
+        }
     }
 
     fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {

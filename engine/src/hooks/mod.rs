@@ -21,6 +21,15 @@
 //! in place, and only an access that does not pass leaves the kernel for
 //! the target ([`KvHooks::kernel_refusal`]). See [`crate::kv_access`].
 //!
+//! The hooks are those of the one list, [`kvsan_sanitizer::for_each_hook!`]:
+//! the [`KvHooks`] trait (one method a hook that has an engine method) and
+//! the [`Hooks`] method of each hook that answers a verdict are generated
+//! from it. Written by hand: the two [`Hooks`] methods that answer
+//! something else (`pool_register`, `kernel_shadow`; the list checks they
+//! are there) and the targets' methods ([`SanitizerHooks`],
+//! [`CTableHooks`]), which the trait makes the compiler ask for, hook by
+//! hook.
+//!
 //! [`Hooks`] holds the target chosen once at start-up
 //! ([`Hooks::from_environment`]):
 //!
@@ -41,9 +50,10 @@ pub mod sanitizer;
 
 use std::sync::{Arc, OnceLock};
 
-use kvsan_sanitizer::abi::KvsanKernelShadow;
-pub use kvsan_sanitizer::{KernelAccess, Manifest, NodeRole, PoolGeometry, RequestEvent, Verdict};
-use kvsan_sanitizer::{KernelShadow, Owner, PageRef, PoolId};
+pub use kvsan_sanitizer::{
+    KernelAccess, KernelShadowHandle, Manifest, NodeRole, PoolGeometry, RequestEvent, Verdict,
+};
+use kvsan_sanitizer::{Owner, PageRef, PoolId};
 
 pub use ctable::CTableHooks;
 pub use sanitizer::SanitizerHooks;
@@ -55,124 +65,65 @@ use crate::EngineError;
 /// reports, never a check against another pool's shadow.
 pub const UNREGISTERED_POOL: PoolId = PoolId(u32::MAX);
 
-/// A hook target: something that checks the engine's KV page events.
-///
-/// Every method may be called from several threads at once. A
-/// [`Verdict::Abort`] tells the engine to abort the request the event
-/// concerns (and only that request).
-pub trait KvHooks: Send + Sync {
-    /// A pool was created; returns the id the target knows it by, or `None`
-    /// if the target refused it (it says why in its own log).
-    fn pool_register(&self, geometry: &PoolGeometry) -> Option<PoolId>;
-    /// A request entered `event`'s state, as the node that owns `pool`
-    /// sees it (each node of a disaggregated deployment has its own view:
-    /// `kvsan_sanitizer::Scope`).
-    fn request_event(&self, pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict;
-    /// `page` (at its new generation) was taken from the free list for `owner`.
-    fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict;
-    /// `owner` returns `page` to the pool.
-    fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict;
-    /// The kernel shadow of `pool`, which the engine's kernels check every
-    /// KV store and attention read against in place; `None` if the target
-    /// has none (KV accesses then go unchecked by it).
-    fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle>;
-    /// The cold path of a kernel access the in-place check did not pass:
-    /// the access as the kernel was about to make it, by the batch row of
-    /// `owner`, at `step`. The target checks it against its whole state
-    /// (sharers included), reports a violation and returns the verdict;
-    /// [`Verdict::Continue`] lets the kernel go on (a legal shared read, or
-    /// `on_violation=report`).
-    fn kernel_refusal(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        access: &KernelAccess,
-        step: u64,
-    ) -> Verdict;
-    /// The sender ships what `manifest` describes.
-    fn transfer_send(&self, pool: PoolId, manifest: &Manifest) -> Verdict;
-    /// The bytes `manifest` describes landed in the receiver's pages.
-    fn transfer_recv(&self, pool: PoolId, manifest: &Manifest) -> Verdict;
-    /// The receiver starts using the first `committed_tokens` positions of `table`.
-    fn transfer_commit(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        table: &[PageRef],
-        committed_tokens: usize,
-    ) -> Verdict;
+macro_rules! define_kv_hooks {
+    ($(
+        $(#[$doc:meta])*
+        ($(#[$attr:meta])* fn $method:ident($($arg:ident: $ty:ty),*) -> $($answer:tt)+);
+    )*) => {
+        /// A hook target: something that checks the engine's KV page events.
+        ///
+        /// One method a hook of the list with an engine method
+        /// ([`kvsan_sanitizer::for_each_hook!`]), and two settings. Every
+        /// method may be called from several threads at once. A
+        /// [`Verdict::Abort`] tells the engine to abort the request the
+        /// event concerns (and only that request).
+        pub trait KvHooks: Send + Sync {
+            $(
+                $(#[$doc])*
+                fn $method(&self, $($arg: $ty),*) -> $($answer)+;
+            )*
 
-    /// What the target asks of the engine's pools (read once at attach time).
-    fn settings(&self) -> HookSettings {
-        HookSettings::default()
-    }
+            /// What the target asks of the engine's pools (read once at attach time).
+            fn settings(&self) -> HookSettings {
+                HookSettings::default()
+            }
 
-    /// Writes the target's end-of-run summary (`kvsan: N violations`), if it
-    /// keeps one.
-    fn print_summary(&self) {}
+            /// Writes the target's end-of-run summary (`kvsan: N violations`), if it
+            /// keeps one.
+            fn print_summary(&self) {}
+        }
+
+        $(dispatch! { [$(#[$attr])*] $method($($arg: $ty),*) -> $($answer)+ })*
+    };
 }
 
-/// A target's kernel shadow of one pool, kept alive with its target.
-///
-/// It describes memory the target owns (records, written bits, counters):
-/// the target's sanitizer keeps it for its whole life, and `keep` holds
-/// that sanitizer (or nothing, for a preloaded library whose sanitizer
-/// lives as long as the process).
-pub struct KernelShadowHandle {
-    raw: KvsanKernelShadow,
-    _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+/// The [`Hooks`] method of one hook: for a verdict, one predictable branch
+/// on the target; for another answer (a pool's id, its kernel shadow), a
+/// method written out below, which this checks is there.
+macro_rules! dispatch {
+    ([$(#[$attr:meta])+] $method:ident($($arg:ident: $ty:ty),*) -> Verdict) => {
+        impl Hooks {
+            #[doc = concat!("See [`KvHooks::", stringify!($method), "`]; continues without a target.")]
+            $(#[$attr])+
+            pub fn $method(&self, $($arg: $ty),*) -> Verdict {
+                match &self.target {
+                    None => Verdict::Continue,
+                    Some(t) => t.$method($($arg),*),
+                }
+            }
+        }
+    };
+    ([] $method:ident($($arg:ident: $ty:ty),*) -> Verdict) => {
+        dispatch! { [#[inline]] $method($($arg: $ty),*) -> Verdict }
+    };
+    ([$(#[$attr:meta])*] $method:ident($($arg:ident: $ty:ty),*) -> $($answer:tt)+) => {
+        const _: () = {
+            let _ = Hooks::$method;
+        };
+    };
 }
 
-// SAFETY: the raw pointers address atomics (records, bits, counters) that
-// any thread may access; `keep` is Send + Sync.
-unsafe impl Send for KernelShadowHandle {}
-// SAFETY: as for `Send`: shared access is only atomic loads and RMWs.
-unsafe impl Sync for KernelShadowHandle {}
-
-impl std::fmt::Debug for KernelShadowHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KernelShadowHandle")
-            .field("pages", &self.raw.pages)
-            .field("page_slots", &self.raw.page_slots)
-            .field("layers", &self.raw.layers)
-            .finish_non_exhaustive()
-    }
-}
-
-impl KernelShadowHandle {
-    /// A handle for `raw`, after checking that it describes this build's
-    /// layout.
-    ///
-    /// # Errors
-    /// What in `raw` does not match this build's layout.
-    ///
-    /// # Safety
-    /// - `raw` describes a live pool's kernel shadow whose memory stays
-    ///   allocated while `keep` is held (or for the rest of the process).
-    pub unsafe fn new(
-        raw: KvsanKernelShadow,
-        keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
-    ) -> Result<KernelShadowHandle, &'static str> {
-        // SAFETY: the caller's contract; checked here once.
-        unsafe { KernelShadow::from_raw(&raw) }?;
-        Ok(KernelShadowHandle { raw, _keep: keep })
-    }
-
-    /// The kernels' view.
-    #[must_use]
-    pub fn view(&self) -> KernelShadow<'_> {
-        // SAFETY: `new` checked the description; the memory lives while
-        // `self` (and so `keep`) does.
-        unsafe { KernelShadow::from_raw(&self.raw) }
-            .expect("a checked kernel-shadow description stays valid")
-    }
-
-    /// Pages, slots per page and layers the shadow covers.
-    #[must_use]
-    pub fn geometry(&self) -> (u32, u32, u32) {
-        (self.raw.pages, self.raw.page_slots, self.raw.layers)
-    }
-}
+kvsan_sanitizer::for_each_hook!(engine => define_kv_hooks);
 
 /// What a target asks the engine to do with freed pages — the checks only
 /// the engine can add, because only it touches KV bytes.
@@ -231,15 +182,6 @@ impl std::fmt::Debug for Hooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Hooks({}, {:?})", self.kind.name(), self.settings)
     }
-}
-
-macro_rules! dispatch {
-    ($self:ident, $method:ident ( $($arg:expr),* )) => {
-        match &$self.target {
-            None => Verdict::Continue,
-            Some(t) => t.$method($($arg),*),
-        }
-    };
 }
 
 /// The process's choice, made by the first successful
@@ -380,63 +322,9 @@ impl Hooks {
         }
     }
 
-    /// See [`KvHooks::request_event`].
-    #[inline]
-    pub fn request_event(&self, pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict {
-        dispatch!(self, request_event(pool, owner, event))
-    }
-
-    /// See [`KvHooks::alloc`].
-    #[inline]
-    pub fn alloc(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {
-        dispatch!(self, alloc(pool, owner, page, step))
-    }
-
-    /// See [`KvHooks::free`].
-    #[inline]
-    pub fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) -> Verdict {
-        dispatch!(self, free(pool, owner, page, step))
-    }
-
     /// See [`KvHooks::kernel_shadow`]; `None` without a target.
     #[must_use]
     pub fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle> {
         self.target.as_ref()?.kernel_shadow(pool)
-    }
-
-    /// See [`KvHooks::kernel_refusal`].
-    #[cold]
-    pub fn kernel_refusal(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        access: &KernelAccess,
-        step: u64,
-    ) -> Verdict {
-        dispatch!(self, kernel_refusal(pool, owner, access, step))
-    }
-
-    /// See [`KvHooks::transfer_send`].
-    #[inline]
-    pub fn transfer_send(&self, pool: PoolId, manifest: &Manifest) -> Verdict {
-        dispatch!(self, transfer_send(pool, manifest))
-    }
-
-    /// See [`KvHooks::transfer_recv`].
-    #[inline]
-    pub fn transfer_recv(&self, pool: PoolId, manifest: &Manifest) -> Verdict {
-        dispatch!(self, transfer_recv(pool, manifest))
-    }
-
-    /// See [`KvHooks::transfer_commit`].
-    #[inline]
-    pub fn transfer_commit(
-        &self,
-        pool: PoolId,
-        owner: Owner,
-        table: &[PageRef],
-        committed_tokens: usize,
-    ) -> Verdict {
-        dispatch!(self, transfer_commit(pool, owner, table, committed_tokens))
     }
 }

@@ -17,7 +17,8 @@
 //!  shadow mode, shared page    Checked                     Arbitrate (the host decides)
 //! ```
 
-use kvsan_sanitizer::{Check, Generation, PageRef, RequestId, ViolationKind};
+use kvsan_ids::{Generation, PageRef, RequestId};
+use kvsan_sanitizer::{Check, ViolationKind};
 
 use super::error::CudaError;
 use super::shadow::CudaKernelShadow;

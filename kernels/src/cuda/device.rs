@@ -7,7 +7,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use half::f16;
-use kvsan_sanitizer::{Generation, KernelShadow, PageId};
+use kvsan_ids::{Generation, PageId};
+use kvsan_sanitizer::KernelShadow;
 
 use super::CudaRefusal;
 use super::batch::{

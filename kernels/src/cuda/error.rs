@@ -2,7 +2,7 @@
 
 use cudarc::driver::DriverError;
 use cudarc::nvrtc::result::NvrtcError;
-use kvsan_sanitizer::PageId;
+use kvsan_ids::PageId;
 
 use crate::error::KernelError;
 

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use half::vec::HalfBitsVecExt;
-use kvsan_sanitizer::{Generation, PageId};
+use kvsan_ids::{Generation, PageId};
 
 use super::error::CudaError;
 use crate::attention::KvGeometry;

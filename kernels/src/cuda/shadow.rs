@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream};
+use kvsan_ids::{PageId, PageRef};
+use kvsan_sanitizer::KernelShadow;
 use kvsan_sanitizer::shadow::BitLayout;
-use kvsan_sanitizer::{KernelShadow, PageId, PageRef};
 
 use super::error::CudaError;
 use super::pool::CudaKvPool;

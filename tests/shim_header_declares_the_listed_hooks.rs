@@ -1,0 +1,188 @@
+//! `shim/include/kvsan.h` is written by hand; the hooks are one list
+//! (`kvsan_sanitizer::for_each_hook!`). The header's `KvsanHookTable` has
+//! the list's hooks, in its order, with the listed function types; each of
+//! those typedefs takes `void *ctx` and the listed C arguments; and each
+//! `kvsan_*` function of the list is declared with the arguments its shape
+//! gives it. (Sizes and offsets: `shim_header_matches_the_rust_layout.rs`.)
+
+use std::path::Path;
+
+/// A hook of the table: name, function type, C argument types.
+struct TableHook {
+    name: &'static str,
+    fn_type: &'static str,
+    args: Vec<&'static str>,
+}
+
+/// A plain C function of the list: name, shape, argument types, and for
+/// each argument the size argument that follows it (if any).
+struct Export {
+    name: &'static str,
+    shape: &'static str,
+    args: Vec<(&'static str, &'static [&'static str])>,
+}
+
+macro_rules! table_hooks {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident = $name:ident($($arg:ident: $ty:ty $([$size:ident])?),*), $minor:literal, $fn:ident;
+    )*) => {
+        vec![$(TableHook {
+            name: stringify!($name),
+            fn_type: stringify!($fn),
+            args: vec![$(stringify!($ty)),*],
+        }),*]
+    };
+}
+
+macro_rules! exports {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident($($arg:ident: $ty:ty $([$size:ident])?),*), $export:ident, $shape:ident;
+    )*) => {
+        vec![$(Export {
+            name: stringify!($export),
+            shape: stringify!($shape),
+            args: vec![$((stringify!($ty), &[$(stringify!($size)),*])),*],
+        }),*]
+    };
+}
+
+fn header() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("shim/include/kvsan.h");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The C spelling of a listed Rust argument type, with no space before `*`.
+fn c_type(rust: &str) -> String {
+    let rust = rust
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace("* ", "*");
+    if let Some(pointee) = rust.strip_prefix("*const ") {
+        return format!("const {}*", c_type(pointee));
+    }
+    if let Some(pointee) = rust.strip_prefix("*mut ") {
+        return format!("{}*", c_type(pointee));
+    }
+    match rust.as_str() {
+        "u16" => "uint16_t".into(),
+        "u32" => "uint32_t".into(),
+        "u64" => "uint64_t".into(),
+        "i32" => "int32_t".into(),
+        "usize" => "size_t".into(),
+        other => other.into(),
+    }
+}
+
+/// The text from `open` (just after a `(`) to its matching `)`.
+fn parenthesised(text: &str, open: usize) -> &str {
+    let mut depth = 1;
+    for (i, c) in text[open..].char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => {
+                depth -= 1;
+                if depth == 0 {
+                    return &text[open..open + i];
+                }
+            }
+            _ => {}
+        }
+    }
+    panic!("unbalanced parentheses after byte {open}");
+}
+
+/// The types of a C parameter list, each without its name and with no
+/// space before `*`.
+fn parameter_types(params: &str) -> Vec<String> {
+    params
+        .split(',')
+        .map(|p| {
+            let p = p.split_whitespace().collect::<Vec<_>>().join(" ");
+            let name_at = p
+                .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .map_or(0, |i| i + 1);
+            p[..name_at].trim_end().replace(" *", "*")
+        })
+        .collect()
+}
+
+#[test]
+fn the_headers_hook_table_has_the_listed_hooks_in_order() {
+    let header = header();
+    let start = header
+        .find("typedef struct KvsanHookTable {")
+        .expect("the table");
+    let end = start + header[start..].find("} KvsanHookTable;").expect("its end");
+    let body = &header[start..end];
+    let after_ctx = body.find("void *ctx;").expect("ctx") + "void *ctx;".len();
+    let fields: Vec<(String, String)> = body[after_ctx..]
+        .lines()
+        .map(|l| l.split("/*").next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let (ty, name) = l.trim_end_matches(';').split_once(' ').expect("type name;");
+            (ty.trim().to_string(), name.trim().to_string())
+        })
+        .collect();
+    let listed: Vec<TableHook> = kvsan_sanitizer::for_each_hook!(table => table_hooks);
+    let want: Vec<(String, String)> = listed
+        .iter()
+        .map(|h| (format!("Kvsan{}", h.fn_type), h.name.to_string()))
+        .collect();
+    assert_eq!(
+        fields, want,
+        "kvsan.h's KvsanHookTable drifted from the list"
+    );
+}
+
+#[test]
+fn each_hook_function_type_of_the_header_takes_the_listed_arguments() {
+    let header = header();
+    for hook in kvsan_sanitizer::for_each_hook!(table => table_hooks) {
+        let typedef = format!("typedef KvsanVerdict (*Kvsan{})(", hook.fn_type);
+        let at = header
+            .find(&typedef)
+            .unwrap_or_else(|| panic!("kvsan.h lacks `{typedef}`"));
+        let got = parameter_types(parenthesised(&header, at + typedef.len()));
+        let mut want = vec!["void*".to_string()];
+        want.extend(hook.args.iter().map(|t| c_type(t)));
+        assert_eq!(
+            got, want,
+            "Kvsan{} (the `{}` hook)",
+            hook.fn_type, hook.name
+        );
+    }
+}
+
+#[test]
+fn each_listed_c_function_is_declared_with_the_arguments_of_its_shape() {
+    let header = header();
+    let exports: Vec<Export> = kvsan_sanitizer::for_each_hook!(export => exports);
+    assert!(!exports.is_empty());
+    for export in exports {
+        let call = format!(" {}(", export.name);
+        let at = header
+            .find(&call)
+            .unwrap_or_else(|| panic!("kvsan.h does not declare {}", export.name));
+        if export.shape == "by_hand" {
+            continue;
+        }
+        let returns = header[..at].split_whitespace().last();
+        assert_eq!(returns, Some("int32_t"), "{}", export.name);
+        let got = parameter_types(parenthesised(&header, at + call.len()));
+        let mut want = Vec::new();
+        for (ty, sized) in &export.args {
+            want.push(c_type(ty));
+            want.extend(sized.iter().map(|_| "size_t".to_string()));
+        }
+        match export.shape {
+            "verdict" => want.push("KvsanVerdict*".into()),
+            "status" => {}
+            other => panic!("{}: unknown shape {other}", export.name),
+        }
+        assert_eq!(got, want, "{}", export.name);
+    }
+}
