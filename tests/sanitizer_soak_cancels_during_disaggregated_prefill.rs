@@ -25,6 +25,7 @@ use std::time::Duration;
 use kvsan_engine::engine::{Engine, EngineConfig, PrefillControl, RequestHandle, serve_prefill};
 use kvsan_engine::hooks::{HookTarget, Hooks};
 use kvsan_engine::model::{AttentionCheck, Model, SyntheticSpec};
+use kvsan_engine::node::NodeStats;
 use kvsan_engine::request::{ErrorKind, Request};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
@@ -131,14 +132,19 @@ impl Running {
         }
     }
 
-    /// Preemptions on both nodes since start.
-    fn preemptions(&self) -> u64 {
+    /// The sum of a counter over both nodes.
+    fn both(&self, counter: fn(&NodeStats) -> u64) -> u64 {
         let stats = self.engine.stats();
         let prefill = match &self.prefill {
-            Some((control, _)) => control.stats().map_or(0, |s| s.preemptions),
-            None => stats.prefill.map_or(0, |s| s.preemptions),
+            Some((control, _)) => control.stats().as_ref().map_or(0, counter),
+            None => stats.prefill.as_ref().map_or(0, counter),
         };
-        stats.front.preemptions + prefill
+        counter(&stats.front) + prefill
+    }
+
+    /// Preemptions on both nodes since start.
+    fn preemptions(&self) -> u64 {
+        self.both(|s| s.preemptions)
     }
 
     /// Free pages of (decode or front, prefill).
@@ -244,6 +250,11 @@ fn soak(deployment: Deployment, seed: u64) {
     let preemptions = running.preemptions();
     eprintln!("outcomes: {outcomes:?}; preemptions: {preemptions}");
     assert!(preemptions > 0, "the load must preempt: {outcomes:?}");
+    assert_eq!(
+        running.both(|s| s.illegal_transitions),
+        0,
+        "no lifecycle move refused as an engine bug on either node"
+    );
     running.stop();
 }
 

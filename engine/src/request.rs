@@ -2,7 +2,7 @@
 //! events ending in `Finished` or `Error`.
 
 use kvsan_sanitizer::{Owner, RequestId, TenantId};
-use kvsan_sanitizer::{ViolationId, ViolationKind};
+use kvsan_sanitizer::{Verdict, ViolationId, ViolationKind};
 use serde::{Deserialize, Serialize};
 
 use crate::sampler::SamplingParams;
@@ -167,6 +167,28 @@ impl RequestError {
             ),
             rejection: Some(Box::new(rejection)),
             violation: None,
+        }
+    }
+
+    /// The error of a request a hook's `verdict` aborted on the `node` node.
+    #[must_use]
+    pub fn aborted_by(verdict: Verdict, node: &str) -> RequestError {
+        match verdict {
+            Verdict::Abort { violation, kind } => RequestError {
+                kind: ErrorKind::Violation,
+                message: format!(
+                    "aborted by kvsan on the {node} node: violation {violation} ({})",
+                    kind.name()
+                ),
+                rejection: None,
+                violation: Some(Violated {
+                    id: violation,
+                    kind,
+                }),
+            },
+            Verdict::Continue => {
+                RequestError::new(ErrorKind::Internal, "aborted without a violation")
+            }
         }
     }
 }

@@ -77,8 +77,13 @@ fn run(disaggregated: bool) {
     assert_eq!(answered, 50, "every request finished normally");
     let end = engine.stats();
     assert_eq!(end.front.free_pages, start.front.free_pages);
+    assert_eq!(
+        end.front.illegal_transitions, 0,
+        "no lifecycle move refused"
+    );
     if let (Some(s), Some(e)) = (start.prefill, end.prefill) {
         assert_eq!(e.free_pages, s.free_pages);
+        assert_eq!(e.illegal_transitions, 0, "no lifecycle move refused");
     }
 }
 

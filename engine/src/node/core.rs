@@ -1,17 +1,19 @@
 //! What every node does with its pool: allocate and free pages, and run a
 //! forward step over a batch of sequences — its KV accesses checked in the
-//! kernels ([`crate::kv_access`]), its lifecycle events through the hooks.
+//! kernels ([`crate::kv_access`]). Each request's state on the node is its
+//! lifecycle's ([`crate::node::lifecycle`]).
 
 use std::sync::Arc;
 
-use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId, Verdict};
+use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId};
 
 use crate::faults::{self, Fault};
-use crate::hooks::{Hooks, KernelShadowHandle, RequestEvent};
+use crate::hooks::{Hooks, KernelShadowHandle};
 use crate::kv_access::{KvAccess, RowFault};
 use crate::kv_pool::KvPool;
 use crate::model::{AttentionCheck, Logits, Model};
 use crate::node::batch::{BatchBuilder, PlannedRow};
+use crate::node::lifecycle::Lifecycle;
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, RequestError, Violated};
 
@@ -34,6 +36,9 @@ pub struct NodeStats {
     pub preemptions: u64,
     /// Forward steps run since start.
     pub steps: u64,
+    /// Lifecycle moves refused as engine bugs since start (0 in a correct
+    /// engine; each is logged).
+    pub illegal_transitions: u64,
 }
 
 /// A sequence's share of one step: `n` new tokens from `computed`.
@@ -65,6 +70,8 @@ pub(crate) struct NodeCore {
     pub pool: KvPool,
     pub pool_id: PoolId,
     pub hooks: Hooks,
+    /// Each request's state on this node; its lifecycle events.
+    pub lifecycle: Lifecycle,
     /// The hook target's kernel shadow of the pool, if it has one.
     pub kernel_shadow: Option<KernelShadowHandle>,
     pub check: AttentionCheck,
@@ -74,29 +81,10 @@ pub(crate) struct NodeCore {
     batch: BatchBuilder,
 }
 
-/// The client-facing error for a hook's abort verdict.
-pub(crate) fn violation_error(verdict: Verdict, node: &str) -> RequestError {
-    match verdict {
-        Verdict::Abort { violation, kind } => RequestError {
-            kind: ErrorKind::Violation,
-            message: format!(
-                "aborted by kvsan on the {node} node: violation {violation} ({})",
-                kind.name()
-            ),
-            rejection: None,
-            violation: Some(Violated {
-                id: violation,
-                kind,
-            }),
-        },
-        Verdict::Continue => RequestError::new(ErrorKind::Internal, "aborted without a violation"),
-    }
-}
-
 /// The client-facing error for a row the step's kernels stopped.
 fn row_error(node: &str, fault: &RowFault) -> RequestError {
     match fault {
-        RowFault::Violation(verdict) => violation_error(*verdict, node),
+        RowFault::Violation(verdict) => RequestError::aborted_by(*verdict, node),
         RowFault::Generation(refusal) => {
             // The pool's generation check (no sanitizer attached): a
             // violation of its own id, found without any hook.
@@ -166,6 +154,7 @@ impl NodeCore {
         };
         let pool_id = hooks.pool_register(&shadow, PoolId(0));
         let kernel_shadow = kernel_shadow_of(&hooks, pool_id, &shadow, name);
+        let lifecycle = Lifecycle::new(role, name, pool_id, hooks.clone());
         let width = model
             .config()
             .context_length
@@ -181,6 +170,7 @@ impl NodeCore {
             pool,
             pool_id,
             hooks,
+            lifecycle,
             kernel_shadow,
             check,
             name: name.to_string(),
@@ -192,15 +182,6 @@ impl NodeCore {
     /// Tokens the pool can hold.
     pub fn capacity_tokens(&self) -> usize {
         self.pool.n_pages() * self.pool.page_slots()
-    }
-
-    /// Reports a lifecycle event in this node's view of the request; an
-    /// abort verdict becomes the request's error.
-    pub fn event(&self, owner: Owner, event: RequestEvent) -> Result<(), RequestError> {
-        match self.hooks.request_event(self.pool_id, owner, event) {
-            Verdict::Continue => Ok(()),
-            v => Err(violation_error(v, &self.name)),
-        }
     }
 
     /// Grows `seq`'s block table to cover `tokens` positions. `Ok(false)` when
@@ -219,7 +200,7 @@ impl NodeCore {
             seq.table.push(page);
             let verdict = self.hooks.alloc(self.pool_id, seq.owner, page, self.step);
             if !verdict.is_continue() {
-                return Err(violation_error(verdict, &self.name));
+                return Err(RequestError::aborted_by(verdict, &self.name));
             }
         }
         Ok(true)

@@ -12,13 +12,13 @@
 use std::collections::{HashMap, VecDeque};
 
 use crossbeam_channel::{Receiver, Sender};
-use kvsan_sanitizer::{Manifest, Owner, PageId, PageRef, RequestId};
+use kvsan_sanitizer::{Manifest, Owner, PageId, PageRef, RequestId, Verdict};
 
 use crate::faults::{self, Fault};
-use crate::hooks::RequestEvent;
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
-use crate::node::core::{NodeCore, violation_error};
+use crate::node::core::NodeCore;
+use crate::node::lifecycle::State;
 use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
 use crate::node::unified::{self, fail, fail_in_place, new_sequence};
@@ -49,11 +49,10 @@ pub(crate) struct DecodeNode {
     unchecked: VecDeque<(Owner, Request, Sender<Event>)>,
     /// Admitted, waiting for pages to reserve.
     reserve: VecDeque<Sequence>,
-    /// Pages reserved, KV on its way from prefill.
-    transferring: HashMap<RequestId, Sequence>,
-    /// Cancelled while their KV was on its way: answered, pages kept until
-    /// prefill acknowledges.
-    draining: HashMap<RequestId, Sequence>,
+    /// Pages reserved and the prefill order sent: the KV is on its way
+    /// (lifecycle: transferring), or the request was cancelled while it was
+    /// (draining: answered, its pages kept until prefill acknowledges).
+    awaiting_kv: HashMap<RequestId, Sequence>,
     /// Fault `free-during-transfer`: requests cancelled while their KV was
     /// on its way, whose transfer was never fenced, with the destination
     /// pages it still lands in.
@@ -80,8 +79,7 @@ impl DecodeNode {
             epochs: 0,
             unchecked: VecDeque::new(),
             reserve: VecDeque::new(),
-            transferring: HashMap::new(),
-            draining: HashMap::new(),
+            awaiting_kv: HashMap::new(),
             unfenced: HashMap::new(),
             left_for_cleanup: HashMap::new(),
             tx,
@@ -128,7 +126,12 @@ impl DecodeNode {
             Command::Cancel(id) => self.cancel(id),
             Command::Stats(tx) => {
                 let mut s = unified::stats(&self.core, &self.sched);
-                s.waiting += self.reserve.len() + self.unchecked.len() + self.transferring.len();
+                let transferring = self
+                    .awaiting_kv
+                    .keys()
+                    .filter(|&&id| self.core.lifecycle.state(id) == Some(State::Transferring))
+                    .count();
+                s.waiting += self.reserve.len() + self.unchecked.len() + transferring;
                 let _ = tx.send(s);
             }
             Command::AttachPrefill { link, inbox } => self.attach(link, inbox),
@@ -179,11 +182,12 @@ impl DecodeNode {
 
     fn submit(&mut self, owner: Owner, request: Request, events: Sender<Event>) {
         let Some(peer) = &self.peer else {
-            let _ = self.core.event(owner, RequestEvent::Aborted);
-            let _ = events.send(Event::Error(RequestError::new(
+            let error = RequestError::new(
                 ErrorKind::Transport,
                 "no prefill node is connected to this decode node",
-            )));
+            );
+            let _ = self.core.lifecycle.refuse(owner, &error);
+            let _ = events.send(Event::Error(error));
             return;
         };
         let Some(info) = peer.info else {
@@ -211,17 +215,10 @@ impl DecodeNode {
                 Some(events.clone()),
             )
         }) {
-            Ok(seq) => {
-                let _ = self.core.event(owner, RequestEvent::Queued);
-                self.reserve.push_back(seq);
-            }
+            Ok(seq) => self.reserve.extend(unified::queue(&mut self.core, seq)),
             Err(e) => {
-                let event = if e.kind == ErrorKind::Rejected {
-                    RequestEvent::Rejected
-                } else {
-                    RequestEvent::Aborted
-                };
-                let _ = self.core.event(owner, event);
+                // Refused either way; a move the lifecycle refuses is logged there.
+                let _ = self.core.lifecycle.refuse(owner, &e);
                 tracing::info!(node = %self.core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
                 let over_prefill = e.rejection.as_ref().is_some_and(|r| r.node == "prefill");
                 if over_prefill && let Some(request) = request_copy {
@@ -234,11 +231,14 @@ impl DecodeNode {
     }
 
     /// Fault `reject-as-placeholder` (the incident): the rejected request's
-    /// prompt becomes a one-token placeholder so it can drain through the
-    /// batching machinery, and this disaggregated admission path, which
-    /// checks "finished" rather than "rejected", lets it through: pages are
-    /// reserved for the whole prompt, prefill computes one token, and decode
-    /// commits the whole reservation.
+    /// prompt becomes a one-token placeholder, queued again under the
+    /// request's id so it can drain through the batching machinery. Nothing
+    /// on this path asks whether the request was rejected: the rejection
+    /// ended the lifecycle's record of it, so to the lifecycle, which keeps
+    /// live requests only, the placeholder is a new request, and the
+    /// disaggregated admission takes it like any queued one. Pages are
+    /// reserved for the whole prompt, prefill computes one token, and
+    /// decode commits the whole reservation.
     fn admit_rejected_as_placeholder(
         &mut self,
         owner: Owner,
@@ -248,7 +248,7 @@ impl DecodeNode {
         match new_sequence(owner, request, self.core.pool.page_slots(), Some(events)) {
             Ok(mut seq) => {
                 seq.placeholder = true;
-                self.reserve.push_back(seq);
+                self.reserve.extend(unified::queue(&mut self.core, seq));
             }
             Err(e) => tracing::error!(node = %self.core.name, "placeholder: {}", e.message),
         }
@@ -267,8 +267,8 @@ impl DecodeNode {
                 break;
             }
             let mut seq = self.reserve.pop_front().expect("front exists");
-            if let Err(e) = self.core.event(seq.owner, RequestEvent::Admitted) {
-                fail(&mut self.core, seq, e);
+            if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Admitted) {
+                fail(&mut self.core, seq, e.into());
                 continue;
             }
             let prompt_len = seq.prompt_len;
@@ -276,7 +276,10 @@ impl DecodeNode {
                 Ok(true) => {}
                 Ok(false) => {
                     self.core.release(&mut seq);
-                    self.reserve.push_front(seq);
+                    match self.core.lifecycle.enter(seq.owner, State::Queued) {
+                        Ok(()) => self.reserve.push_front(seq),
+                        Err(e) => fail(&mut self.core, seq, e.into()),
+                    }
                     break;
                 }
                 Err(e) => {
@@ -303,6 +306,11 @@ impl DecodeNode {
                 dst_pool: self.core.pool_id,
                 dst_pages: seq.table.pages().to_vec(),
             };
+            // The KV is on its way once the order is out.
+            if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Transferring) {
+                fail(&mut self.core, seq, e.into());
+                continue;
+            }
             if let Err(e) = peer.link.send(ToPrefill::Prefill(order)) {
                 fail(
                     &mut self.core,
@@ -311,7 +319,7 @@ impl DecodeNode {
                 );
                 continue;
             }
-            self.transferring.insert(seq.owner.request, seq);
+            self.awaiting_kv.insert(seq.owner.request, seq);
         }
     }
 
@@ -326,7 +334,9 @@ impl DecodeNode {
             Inbound::Message(ToDecode::PrefillFailed { request, error }) => {
                 self.unfenced.remove(&request);
                 self.left_for_cleanup.remove(&request);
-                if let Some(seq) = self.transferring.remove(&request) {
+                if self.core.lifecycle.state(request) == Some(State::Transferring)
+                    && let Some(seq) = self.awaiting_kv.remove(&request)
+                {
                     fail(&mut self.core, seq, error);
                 } else {
                     self.drained(request);
@@ -367,12 +377,14 @@ impl DecodeNode {
     fn receive(&mut self, transfer: KvTransfer) {
         let KvTransfer { manifest, payload } = transfer;
         let id = manifest.request.request;
-        if self.draining.contains_key(&id) {
+        let state = self.core.lifecycle.state(id);
+        if state == Some(State::Draining) {
             // Cancelled: what was on the wire is dropped (an RDMA WRITE has
             // landed in pages the request still holds).
             return;
         }
-        let Some(seq) = self.transferring.get(&id) else {
+        let awaiting = self.awaiting_kv.get(&id);
+        let Some(seq) = awaiting.filter(|_| state == Some(State::Transferring)) else {
             if self.left_for_cleanup.contains_key(&id) {
                 // Fault `commit-after-abort`: the cancelled request's KV is
                 // dropped; the cleanup waits for its completion.
@@ -389,7 +401,7 @@ impl DecodeNode {
         };
         let problem = self.transfer_problem(seq, &manifest, &payload);
         if let Some(what) = problem {
-            let seq = self.transferring.remove(&id).expect("present");
+            let seq = self.awaiting_kv.remove(&id).expect("present");
             tracing::warn!(node = %self.core.name, request = id.0, "KV transfer refused: {what}");
             self.cancel_at_prefill(id);
             fail(
@@ -413,9 +425,9 @@ impl DecodeNode {
         self.core.stats.transfers += 1;
         if !verdict.is_continue() {
             // Refused before a byte is written.
-            let seq = self.transferring.remove(&id).expect("present");
+            let seq = self.awaiting_kv.remove(&id).expect("present");
             self.cancel_at_prefill(id);
-            let e = violation_error(verdict, &self.core.name);
+            let e = RequestError::aborted_by(verdict, &self.core.name);
             fail(&mut self.core, seq, e);
             return;
         }
@@ -550,63 +562,73 @@ impl DecodeNode {
 
     /// Prefill finished: commit the received KV and start decoding.
     fn commit(&mut self, request: RequestId, first_token: u32) {
-        // Fault `commit-after-abort`: the completion of a request cancelled
-        // while its KV was on its way is taken for a live one's. The record
-        // left for cleanup still has the block table of its freed pages.
-        let (mut seq, cancelled) = match self.transferring.remove(&request) {
-            Some(seq) => (seq, false),
-            None => match self.left_for_cleanup.remove(&request) {
-                Some(seq) => (seq, true),
-                None if self.draining.contains_key(&request) => {
-                    self.drained(request);
-                    return;
+        match self.core.lifecycle.state(request) {
+            Some(State::Transferring) => {}
+            Some(State::Draining) => return self.drained(request),
+            _ => {
+                match self.left_for_cleanup.remove(&request) {
+                    Some(seq) => self.commit_left_for_cleanup(seq, first_token),
+                    None => {
+                        self.unfenced.remove(&request);
+                        tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
+                    }
                 }
-                None => {
-                    self.unfenced.remove(&request);
-                    tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
-                    return;
-                }
-            },
+                return;
+            }
+        }
+        let Some(seq) = self.awaiting_kv.remove(&request) else {
+            tracing::error!(node = %self.core.name, request = request.0, "prefill completion for a transferring request that holds no pages dropped");
+            return;
         };
-        let verdict = self.core.hooks.transfer_commit(
+        let verdict = self.commit_hook(&seq);
+        if !verdict.is_continue() {
+            let e = RequestError::aborted_by(verdict, &self.core.name);
+            fail(&mut self.core, seq, e);
+            return;
+        }
+        if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Decoding) {
+            fail(&mut self.core, seq, e.into());
+            return;
+        }
+        self.start_decoding(seq, first_token);
+    }
+
+    /// The commit hook: decode starts using the KV of `seq`'s prompt.
+    fn commit_hook(&self, seq: &Sequence) -> Verdict {
+        self.core.hooks.transfer_commit(
             self.core.pool_id,
             seq.owner,
             seq.table.pages(),
             seq.prompt_len,
-        );
-        if !verdict.is_continue() {
-            if cancelled {
-                // Its client has its answer and its pages are not its own
-                // any more: nothing to fail, nothing to free.
-                tracing::warn!(node = %self.core.name, request = request.0, "commit of a cancelled request refused");
-                return;
-            }
-            let e = violation_error(verdict, &self.core.name);
-            fail(&mut self.core, seq, e);
-            return;
-        }
-        if let Err(e) = self
-            .core
-            .event(seq.owner, RequestEvent::Transferring)
-            .and_then(|()| self.core.event(seq.owner, RequestEvent::Decoding))
-        {
-            fail(&mut self.core, seq, e);
-            return;
-        }
+        )
+    }
+
+    /// A committed request takes its first token: it joins the running
+    /// batch, or ends with that token.
+    fn start_decoding(&mut self, mut seq: Sequence, first_token: u32) {
         seq.computed = seq.prompt_len;
         match seq.push_token(first_token) {
-            Some(reason) => {
-                self.core.release(&mut seq);
-                match self.core.event(seq.owner, RequestEvent::Finished) {
-                    Ok(()) => seq.finish(reason),
-                    Err(e) => seq.fail(e),
-                }
-            }
+            Some(reason) => unified::finish(&mut self.core, seq, reason),
             None => {
                 seq.admitted_at = self.sched.next_admission();
                 self.sched.running.push(seq);
             }
         }
+    }
+
+    /// Fault `commit-after-abort`: the completion of a request cancelled
+    /// while its KV was on its way is taken for a live one's. The lifecycle,
+    /// which ended the request at the cancel, is not asked: the record the
+    /// lazy cancel left, with the block table of its freed pages, is
+    /// committed and decodes.
+    fn commit_left_for_cleanup(&mut self, seq: Sequence, first_token: u32) {
+        if !self.commit_hook(&seq).is_continue() {
+            // Its client has its answer and its pages are not its own any
+            // more: nothing to fail, nothing to free.
+            tracing::warn!(node = %self.core.name, request = seq.owner.request.0, "commit of a cancelled request refused");
+            return;
+        }
+        self.start_decoding(seq, first_token);
     }
 
     fn cancel_at_prefill(&self, request: RequestId) {
@@ -617,37 +639,50 @@ impl DecodeNode {
 
     fn cancel(&mut self, id: RequestId) {
         let cancelled = RequestError::new(ErrorKind::Cancelled, "cancelled by the client");
-        if let Some(seq) = self.transferring.remove(&id) {
-            if faults::active(Fault::CommitAfterAbort) {
-                self.cancel_lazily(seq, cancelled);
-                return;
-            }
-            if faults::active(Fault::FreeDuringTransfer) {
-                // The pages go back to the free list at once, but the
-                // transfer in flight is taken for one that cannot be
-                // stopped: prefill is not told, and its KV is still
-                // received into the pages (`land_late`).
-                self.unfenced.insert(id, seq.table.pages().to_vec());
-                fail(&mut self.core, seq, cancelled);
-                return;
-            }
-            // Drain: the client has its answer now; the pages stay the
-            // request's until prefill acknowledges the cancel.
-            let mut seq = seq;
-            seq.fail(cancelled);
-            seq.events = None;
-            self.cancel_at_prefill(id);
-            self.draining.insert(id, seq);
+        if self.core.lifecycle.state(id) == Some(State::Transferring)
+            && let Some(seq) = self.awaiting_kv.remove(&id)
+        {
+            self.cancel_transfer(seq, cancelled);
         } else if let Some(i) = self.reserve.iter().position(|s| s.owner.request == id) {
             let seq = self.reserve.remove(i).expect("index found");
             fail(&mut self.core, seq, cancelled);
         } else if let Some(i) = self.unchecked.iter().position(|(o, ..)| o.request == id) {
             let (owner, _, events) = self.unchecked.remove(i).expect("index found");
-            let _ = self.core.event(owner, RequestEvent::Aborted);
+            // Refused either way; a move the lifecycle refuses is logged there.
+            let _ = self.core.lifecycle.refuse(owner, &cancelled);
             let _ = events.send(Event::Error(cancelled));
         } else {
+            // Running or preempted; a draining request is answered already.
             unified::cancel(&mut self.core, &mut self.sched, id);
         }
+    }
+
+    /// Cancels a request whose KV is on its way.
+    fn cancel_transfer(&mut self, mut seq: Sequence, cancelled: RequestError) {
+        let id = seq.owner.request;
+        if faults::active(Fault::CommitAfterAbort) {
+            self.cancel_lazily(seq, cancelled);
+            return;
+        }
+        if faults::active(Fault::FreeDuringTransfer) {
+            // The pages go back to the free list at once, but the transfer
+            // in flight is taken for one that cannot be stopped: prefill is
+            // not told, and its KV is still received into the pages
+            // (`land_late`).
+            self.unfenced.insert(id, seq.table.pages().to_vec());
+            fail(&mut self.core, seq, cancelled);
+            return;
+        }
+        // Drain: the client has its answer now; the pages stay the
+        // request's until prefill acknowledges the cancel.
+        if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Draining) {
+            fail(&mut self.core, seq, e.into());
+            return;
+        }
+        seq.fail(cancelled);
+        seq.events = None;
+        self.cancel_at_prefill(id);
+        self.awaiting_kv.insert(id, seq);
     }
 
     /// Fault `commit-after-abort`: a cancel of a request whose KV is on its
@@ -668,7 +703,9 @@ impl DecodeNode {
     /// gone): nothing more lands in its pages, which are freed now, and the
     /// request ends in this node's view.
     fn drained(&mut self, request: RequestId) {
-        if let Some(seq) = self.draining.remove(&request) {
+        if self.core.lifecycle.state(request) == Some(State::Draining)
+            && let Some(seq) = self.awaiting_kv.remove(&request)
+        {
             fail(
                 &mut self.core,
                 seq,
@@ -682,12 +719,13 @@ impl DecodeNode {
         let error = RequestError::new(ErrorKind::Transport, why);
         self.unfenced.clear();
         self.left_for_cleanup.clear();
-        let drained: Vec<RequestId> = self.draining.keys().copied().collect();
-        for request in drained {
+        let awaiting: Vec<RequestId> = self.awaiting_kv.keys().copied().collect();
+        for request in awaiting {
+            // Only the draining ones end here, as cancelled.
             self.drained(request);
         }
         let waiting: Vec<Sequence> = self
-            .transferring
+            .awaiting_kv
             .drain()
             .map(|(_, s)| s)
             .chain(self.reserve.drain(..))
@@ -696,7 +734,7 @@ impl DecodeNode {
             fail(&mut self.core, seq, error.clone());
         }
         for (owner, _, events) in std::mem::take(&mut self.unchecked) {
-            let _ = self.core.event(owner, RequestEvent::Aborted);
+            let _ = self.core.lifecycle.refuse(owner, &error);
             let _ = events.send(Event::Error(error.clone()));
         }
     }

@@ -6,6 +6,7 @@ pub(crate) mod admission;
 pub(crate) mod batch;
 pub(crate) mod core;
 pub(crate) mod decode;
+pub(crate) mod lifecycle;
 pub(crate) mod prefill;
 pub mod scheduler;
 pub(crate) mod sequence;

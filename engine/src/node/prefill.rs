@@ -15,10 +15,10 @@ use crossbeam_channel::{Receiver, select};
 use kvsan_sanitizer::{Manifest, PoolId, RequestId};
 
 use crate::faults::{self, Fault};
-use crate::hooks::RequestEvent;
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
-use crate::node::core::{ChunkOutcome, NodeCore, violation_error};
+use crate::node::core::{ChunkOutcome, NodeCore};
+use crate::node::lifecycle::{Refused, State};
 use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
 use crate::node::unified::{self, new_sequence};
@@ -134,7 +134,7 @@ impl PrefillNode {
             Inbound::Message(ToPrefill::Cancel { request }) => {
                 self.dests.remove(&request);
                 if let Some(seq) = self.sched.take(request) {
-                    self.end(seq, RequestEvent::Aborted);
+                    self.end(seq, State::Cancelled);
                 }
                 // Nothing more goes out for it: decode may free its pages.
                 let _ = link.send(ToDecode::PrefillFailed {
@@ -179,32 +179,38 @@ impl PrefillNode {
             ));
         }
         let seq = verdict.and_then(|()| new_sequence(owner, request, ps, None));
-        match seq {
-            Ok(seq) => {
-                let _ = self.core.event(owner, RequestEvent::Queued);
-                self.dests.insert(
-                    owner.request,
-                    Destination {
-                        pool: order.dst_pool,
-                        pages: order.dst_pages,
-                    },
-                );
-                self.sched.waiting.push_back(seq);
-            }
+        let error = match seq {
+            Ok(seq) => match self.core.lifecycle.queue(owner) {
+                Ok(()) => {
+                    self.dests.insert(
+                        owner.request,
+                        Destination {
+                            pool: order.dst_pool,
+                            pages: order.dst_pages,
+                        },
+                    );
+                    self.sched.waiting.push_back(seq);
+                    return;
+                }
+                // Queued, and aborted by the hook target at once.
+                Err(Refused::Violation(error)) => {
+                    let _ = self.core.lifecycle.fail(owner, &error);
+                    error
+                }
+                // Its id is live here already: not this order's to end.
+                Err(refused) => refused.into(),
+            },
             Err(error) => {
-                let event = if error.kind == ErrorKind::Rejected {
-                    RequestEvent::Rejected
-                } else {
-                    RequestEvent::Aborted
-                };
-                let _ = self.core.event(owner, event);
-                tracing::info!(node = %self.core.name, request = owner.request.0, "prefill refused: {}", error.message);
-                let _ = link.send(ToDecode::PrefillFailed {
-                    request: owner.request,
-                    error,
-                });
+                // Refused either way; a move the lifecycle refuses is logged there.
+                let _ = self.core.lifecycle.refuse(owner, &error);
+                error
             }
-        }
+        };
+        tracing::info!(node = %self.core.name, request = owner.request.0, "prefill refused: {}", error.message);
+        let _ = link.send(ToDecode::PrefillFailed {
+            request: owner.request,
+            error,
+        });
     }
 
     /// One batched prefill step; completed prompts are shipped.
@@ -239,11 +245,11 @@ impl PrefillNode {
     fn ship(&mut self, seq: Sequence, first_token: u32, link: &dyn Link<ToDecode>) {
         let Some(dest) = self.dests.remove(&seq.owner.request) else {
             // Cancelled while computing.
-            self.end(seq, RequestEvent::Aborted);
+            self.end(seq, State::Cancelled);
             return;
         };
-        if let Err(e) = self.core.event(seq.owner, RequestEvent::Transferring) {
-            self.fail(seq, e, link);
+        if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Transferring) {
+            self.fail(seq, e.into(), link);
             return;
         }
         let layers = self.core.model.config().n_layers;
@@ -282,7 +288,7 @@ impl PrefillNode {
             };
             let verdict = self.core.hooks.transfer_send(self.core.pool_id, &manifest);
             if !verdict.is_continue() {
-                let e = violation_error(verdict, &self.core.name);
+                let e = RequestError::aborted_by(verdict, &self.core.name);
                 self.fail(seq, e, link);
                 return;
             }
@@ -291,7 +297,7 @@ impl PrefillNode {
                 payload: KvPayload::Bytes(bytes),
             }));
             if sent.is_err() {
-                self.end(seq, RequestEvent::Aborted);
+                self.end(seq, State::Aborted);
                 return;
             }
             self.core.stats.transfers += 1;
@@ -300,23 +306,25 @@ impl PrefillNode {
         // The pages go back as soon as the KV is out, before decode hears
         // the prefill is done.
         let request = seq.owner.request;
-        self.end(seq, RequestEvent::Finished);
+        self.end(seq, State::Finished);
         let _ = link.send(ToDecode::PrefillDone {
             request,
             first_token,
         });
     }
 
-    /// Frees a request's pages and reports its end in this node's view.
-    fn end(&mut self, mut seq: Sequence, event: RequestEvent) {
+    /// Frees a request's pages and ends it (`to`) in this node's view.
+    /// Decode answers the client: a violation at the end is the hook
+    /// target's to report, a move the lifecycle refuses is logged there.
+    fn end(&mut self, mut seq: Sequence, to: State) {
         self.core.release(&mut seq);
-        let _ = self.core.event(seq.owner, event);
+        let _ = self.core.lifecycle.enter(seq.owner, to);
     }
 
-    fn fail(&mut self, seq: Sequence, error: RequestError, link: &dyn Link<ToDecode>) {
+    fn fail(&mut self, mut seq: Sequence, error: RequestError, link: &dyn Link<ToDecode>) {
         self.dests.remove(&seq.owner.request);
         let request = seq.owner.request;
-        self.end(seq, RequestEvent::Aborted);
+        unified::fail_in_place(&mut self.core, &mut seq, error.clone());
         let _ = link.send(ToDecode::PrefillFailed { request, error });
     }
 
@@ -330,7 +338,7 @@ impl PrefillNode {
             .collect();
         for seq in all {
             tracing::info!(node = %self.core.name, request = seq.owner.request.0, "prefill dropped: {why}");
-            self.end(seq, RequestEvent::Aborted);
+            self.end(seq, State::Aborted);
         }
         self.dests.clear();
     }

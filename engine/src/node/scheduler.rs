@@ -17,8 +17,8 @@ use std::collections::VecDeque;
 use kvsan_sanitizer::RequestId;
 
 use crate::faults::{self, Fault};
-use crate::hooks::RequestEvent;
 use crate::node::core::{NodeCore, Planned};
+use crate::node::lifecycle::State;
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, RequestError};
 
@@ -123,7 +123,7 @@ impl Scheduler {
                     budget -= 1;
                     i += 1;
                 }
-                Ok(false) => match self.preempt_newest_other_than(core, i) {
+                Ok(false) => match self.preempt_newest_other_than(core, i, failed) {
                     Some((victim, at)) => {
                         // A victim planned earlier in this phase gives its token back.
                         let before = planned.len();
@@ -205,10 +205,11 @@ impl Scheduler {
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
             if let Err(e) = core
-                .event(seq.owner, RequestEvent::Admitted)
-                .and_then(|()| core.event(seq.owner, RequestEvent::Prefilling))
+                .lifecycle
+                .enter(seq.owner, State::Admitted)
+                .and_then(|()| core.lifecycle.enter(seq.owner, State::Prefilling))
             {
-                failed.push((seq, e));
+                failed.push((seq, e.into()));
                 continue;
             }
             seq.admitted_at = self.next_admission();
@@ -222,7 +223,10 @@ impl Scheduler {
                 Ok(false) => {
                     // room_for said it fits; the pool disagrees: wait again.
                     core.release(&mut seq);
-                    self.waiting.push_front(seq);
+                    match core.lifecycle.enter(seq.owner, State::Queued) {
+                        Ok(()) => self.waiting.push_front(seq),
+                        Err(e) => failed.push((seq, e.into())),
+                    }
                     break;
                 }
                 Err(e) => failed.push((seq, e)),
@@ -244,11 +248,13 @@ impl Scheduler {
 
     /// Preempts the most recently admitted running sequence other than
     /// `keep` (by recompute); returns its id and former index, `None` when
-    /// there is none.
+    /// there is none. A sequence the lifecycle does not let go back to the
+    /// queue goes to `failed` instead.
     fn preempt_newest_other_than(
         &mut self,
         core: &mut NodeCore,
         keep: usize,
+        failed: &mut Vec<Failed>,
     ) -> Option<(RequestId, usize)> {
         let v = (0..self.running.len())
             .filter(|&j| j != keep)
@@ -265,11 +271,11 @@ impl Scheduler {
             seq.table = table;
         }
         core.stats.preemptions += 1;
-        // The lifecycle goes back to Queued; an abort here is reported when
-        // the sequence is admitted again.
-        let _ = core.event(seq.owner, RequestEvent::Queued);
         let id = seq.owner.request;
-        self.waiting.push_front(seq);
+        match core.lifecycle.enter(seq.owner, State::Queued) {
+            Ok(()) => self.waiting.push_front(seq),
+            Err(e) => failed.push((seq, e.into())),
+        }
         Some((id, v))
     }
 }

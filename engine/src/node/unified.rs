@@ -4,10 +4,10 @@
 use crossbeam_channel::Receiver;
 use kvsan_sanitizer::Owner;
 
-use crate::hooks::RequestEvent;
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
 use crate::node::core::{ChunkOutcome, NodeCore, Planned};
+use crate::node::lifecycle::{Refused, State};
 use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, Request, RequestError};
@@ -38,7 +38,26 @@ pub(crate) fn new_sequence(
     })
 }
 
-/// Ends `seq` with `error`: frees its pages, reports the terminal event.
+/// Enters `seq` in the node's lifecycle as queued and gives it back; when
+/// the lifecycle refuses, its client gets the error instead.
+pub(crate) fn queue(core: &mut NodeCore, seq: Sequence) -> Option<Sequence> {
+    match core.lifecycle.queue(seq.owner) {
+        Ok(()) => Some(seq),
+        // Queued, and aborted by the hook target at once.
+        Err(Refused::Violation(e)) => {
+            fail(core, seq, e);
+            None
+        }
+        // Its id is live on the node already: that record is not this
+        // sequence's to end.
+        Err(refused @ Refused::Illegal(_)) => {
+            seq.fail(refused.into());
+            None
+        }
+    }
+}
+
+/// Ends `seq` with `error`: frees its pages, ends it in the lifecycle.
 pub(crate) fn fail(core: &mut NodeCore, mut seq: Sequence, error: RequestError) {
     fail_in_place(core, &mut seq, error);
 }
@@ -46,17 +65,22 @@ pub(crate) fn fail(core: &mut NodeCore, mut seq: Sequence, error: RequestError) 
 /// [`fail`], leaving the emptied sequence with the caller.
 pub(crate) fn fail_in_place(core: &mut NodeCore, seq: &mut Sequence, error: RequestError) {
     core.release(seq);
-    // A request the sanitizer already holds terminal (it was caught acting
-    // after its rejection or abort) gets no further lifecycle event: that
-    // would only report the same breach again.
-    let already_terminal = error
-        .violation
-        .is_some_and(|v| v.kind == kvsan_sanitizer::ViolationKind::TerminalRequestActivity);
-    if !already_terminal {
-        let _ = core.event(seq.owner, RequestEvent::Aborted);
-    }
+    // The request ends either way: a move the lifecycle refuses is logged
+    // there, a violation at the end is the hook target's to report.
+    let _ = core.lifecycle.fail(seq.owner, &error);
     tracing::info!(node = %core.name, request = seq.owner.request.0, tenant = seq.owner.tenant.0, kind = error.kind.name(), "request failed: {}", error.message);
     seq.fail(error);
+}
+
+/// Ends `seq`, whose last token came with `reason`: frees its pages, then
+/// ends it in the lifecycle, then answers its client.
+pub(crate) fn finish(core: &mut NodeCore, mut seq: Sequence, reason: crate::request::FinishReason) {
+    core.release(&mut seq);
+    match core.lifecycle.enter(seq.owner, State::Finished) {
+        Ok(()) => seq.finish(reason),
+        // A page leak or lifecycle violation found at the end.
+        Err(e) => seq.fail(e.into()),
+    }
 }
 
 /// How a sequence leaves the running batch after a step.
@@ -79,10 +103,8 @@ pub(crate) fn apply_outcomes(
         match outcome {
             ChunkOutcome::Done(None) | ChunkOutcome::NotRun => {}
             ChunkOutcome::Done(Some(token)) => {
-                if seq.generated() == 0
-                    && let Err(e) = core.event(seq.owner, RequestEvent::Decoding)
-                {
-                    ended.push((p.seq, End::Failed(e)));
+                if let Err(e) = core.lifecycle.token_sampled(seq.owner) {
+                    ended.push((p.seq, End::Failed(e.into())));
                     continue;
                 }
                 if let Some(reason) = seq.push_token(token) {
@@ -94,17 +116,9 @@ pub(crate) fn apply_outcomes(
     }
     ended.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
     for (i, end) in ended {
-        let mut seq = sched.running.remove(i);
+        let seq = sched.running.remove(i);
         match end {
-            End::Finished(reason) => {
-                core.release(&mut seq);
-                if let Err(e) = core.event(seq.owner, RequestEvent::Finished) {
-                    // A page leak or lifecycle violation found at the end.
-                    seq.fail(e);
-                } else {
-                    seq.finish(reason);
-                }
-            }
+            End::Finished(reason) => finish(core, seq, reason),
             End::Failed(e) => fail(core, seq, e),
         }
     }
@@ -149,6 +163,7 @@ pub(crate) fn stats(core: &NodeCore, sched: &Scheduler) -> crate::node::NodeStat
     s.free_pages = core.pool.free_pages();
     s.running = sched.running.len();
     s.waiting = sched.waiting.len();
+    s.illegal_transitions = core.lifecycle.illegal_transitions();
     s
 }
 
@@ -225,17 +240,10 @@ fn submit(
     let seq = checked
         .and_then(|()| new_sequence(owner, request, core.pool.page_slots(), Some(events.clone())));
     match seq {
-        Ok(seq) => {
-            let _ = core.event(owner, RequestEvent::Queued);
-            sched.waiting.push_back(seq);
-        }
+        Ok(seq) => sched.waiting.extend(queue(core, seq)),
         Err(e) => {
-            let event = if e.kind == ErrorKind::Rejected {
-                RequestEvent::Rejected
-            } else {
-                RequestEvent::Aborted
-            };
-            let _ = core.event(owner, event);
+            // Refused either way; a move the lifecycle refuses is logged there.
+            let _ = core.lifecycle.refuse(owner, &e);
             tracing::info!(node = %core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
             let _ = events.send(crate::request::Event::Error(e));
         }
