@@ -13,7 +13,7 @@
 //! | `transport` | prefill ↔ decode messages and links: in-process, TCP, RDMA |
 //! | `engine` | the serving engine a client submits to |
 //! | `faults` | fail points (feature `faults`): which production bug each re-creates, and the switch that turns it on |
-//! | `scenario` | each fault's leak-oracle scenario: the script, the victim, what the sanitizer must report |
+//! | `scenario` | each fault's leak-oracle scenario (feature `faults`): the script, the victim, what the sanitizer must report |
 #![warn(missing_docs)]
 
 pub mod chat;
@@ -29,6 +29,7 @@ pub mod model;
 pub mod node;
 pub mod request;
 pub mod sampler;
+#[cfg(feature = "faults")]
 pub mod scenario;
 pub mod tokenizer;
 pub mod transport;
