@@ -6,7 +6,8 @@
 //!                                              └─bad─▶ "kvsan: NOT attached …" (refused for good)
 //!  first call (pool_register in practice)  ──▶ Sanitizer::new: reports sink, log file
 //!                                              └─fails─▶ "kvsan: NOT attached …" (refused for good)
-//!  exit (.fini_array)    only if a sanitizer was started ──▶ the summary line
+//!  exit (.fini_array)    only if a sanitizer was started ──▶ the requests it still tracks,
+//!                                                               then the summary line
 //! ```
 //!
 //! Every process that loads the library prints the banner (a staging run
@@ -126,8 +127,9 @@ extern "C" fn on_load() {
     let _ = std::panic::catch_unwind(attach);
 }
 
-/// The destructor: the summary line, for a process that started a sanitizer.
-/// Never unwinds.
+/// The destructor, for a process that started a sanitizer: the requests it
+/// still tracks (live, and ended ones remembered: what its memory for
+/// requests holds after a long run), then the summary line. Never unwinds.
 extern "C" fn on_exit() {
     let _ = std::panic::catch_unwind(|| {
         if let Some(Ok(sanitizer)) = SANITIZER.get() {
@@ -136,6 +138,11 @@ extern "C" fn on_exit() {
             let halted = sanitizer.options().on_violation == OnViolation::Halt
                 && sanitizer.violation_count() > 0;
             if !halted {
+                let (live, remembered) = sanitizer.tracked_requests();
+                say(format_args!(
+                    "kvsan: requests tracked at exit: {live} live, {remembered} ended and remembered (ended_requests={})",
+                    sanitizer.options().ended_requests
+                ));
                 say(format_args!("{}", sanitizer.summary()));
             }
         }
