@@ -1,21 +1,26 @@
 //! `kvsan bench`: the whole-engine overhead comparison (`overhead`), the
-//! workload it runs in each built variant (`workload`, hidden), and the
-//! latency floor of `kvsan serve` (`latency`).
+//! workload it runs in each built variant (`workload`, hidden), the
+//! latency floor of `kvsan serve` (`latency`), and the memory of a long
+//! run of `kvsan serve` under the shim (`soak`).
 //!
 //! | file | what lives there |
 //! | --- | --- |
-//! | `bench/overhead.rs` | builds the variants, interleaves the rounds, table, JSON, plot |
+//! | `bench/overhead.rs` | the prebuilt variants run interleaved: table, JSON, plot |
 //! | `bench/workload.rs` | one serving workload, measured from the client's side |
 //! | `bench/child.rs` | a workload run as a child process, its peak RSS from `wait4` |
 //! | `bench/kernel.rs` | checked vs unchecked paged attention on CPU |
 //! | `bench/latency.rs` | one client, trivial requests through real `kvsan serve` processes |
-//! | `bench/plot.rs` | the SVG of the ratios and their spread |
+//! | `bench/soak.rs` | many clients, a mixed load through `kvsan serve` under the shim, its memory sampled |
+//! | `bench/server.rs` | a `kvsan serve` child process and a JSON-lines connection to it |
+//! | `bench/plot.rs` | the SVGs: ratios with their spread, curves |
 
 mod child;
 mod kernel;
 pub mod latency;
 pub mod overhead;
 mod plot;
+mod server;
+pub mod soak;
 pub mod workload;
 
 /// Arguments of `kvsan bench`.
@@ -35,6 +40,11 @@ pub enum Bench {
     /// after another through real processes on loopback, beside the engine
     /// alone.
     Latency(latency::Args),
+    /// Many requests (completions, cancels, rejections) from several
+    /// clients through `kvsan serve` under the LD_PRELOAD shim: resident
+    /// memory sampled as they go, violations and the sanitizer's tracked
+    /// requests checked at the end.
+    Soak(soak::Args),
     /// One workload in this process, one JSON object of metrics on stdout.
     #[command(hide = true)]
     Workload(workload::Args),
@@ -46,6 +56,7 @@ impl Args {
         match &self.what {
             Bench::Overhead(a) => a.json,
             Bench::Latency(a) => a.json,
+            Bench::Soak(a) => a.json,
             Bench::Workload(_) => true,
         }
     }
@@ -59,6 +70,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     match &args.what {
         Bench::Overhead(a) => overhead::run(a),
         Bench::Latency(a) => latency::run(a),
+        Bench::Soak(a) => soak::run(a),
         Bench::Workload(a) => workload::run(a),
     }
 }

@@ -37,12 +37,8 @@
 //! completion).
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -58,10 +54,9 @@ use kvsan_sanitizer::TenantId;
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use super::server::{Connection, Server};
 use super::workload::percentile;
 
-/// How long a server process may take to start serving.
-const START_BOUND: Duration = Duration::from_secs(60);
 /// How long one answer line may take.
 const LINE_BOUND: Duration = Duration::from_secs(30);
 /// The goal: a client-side median at most this far above the steps' time.
@@ -496,71 +491,6 @@ fn one_in_process(engine: &Engine, request: Request) -> anyhow::Result<(Duration
 // ---------------------------------------------------------------------------
 // The server processes and the client.
 
-/// A `kvsan serve` child; killed and reaped on drop.
-struct Server {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    name: &'static str,
-}
-
-impl Server {
-    fn start(bin: &Path, name: &'static str, args: &[&str]) -> anyhow::Result<Server> {
-        let mut child = Command::new(bin)
-            .arg("serve")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting {} serve", bin.display()))?;
-        let stderr = child.stderr.take().context("the server's stderr")?;
-        let (tx, lines) = mpsc::channel();
-        // Drained for the child's whole life, so it never blocks on stderr.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        Ok(Server { child, lines, name })
-    }
-
-    /// The next stderr line containing `pattern`.
-    fn wait_for(&self, pattern: &str) -> anyhow::Result<String> {
-        let deadline = Instant::now() + START_BOUND;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(pattern) => return Ok(line),
-                Ok(_) => {}
-                Err(RecvTimeoutError::Timeout) => {
-                    bail!(
-                        "{}: no line with {pattern:?} within {START_BOUND:?}",
-                        self.name
-                    )
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    bail!("{}: exited before printing {pattern:?}", self.name)
-                }
-            }
-        }
-    }
-
-    /// `key=ADDR` from the "kvsan: serving" line.
-    fn address(&self, line: &str, key: &str) -> anyhow::Result<String> {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(key))
-            .map(str::to_string)
-            .with_context(|| format!("{}: no {key} in {line:?}", self.name))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// The processes of one deployment and its client address.
 struct Servers {
     listen: String,
@@ -575,7 +505,7 @@ fn start(bin: &Path, deployment: Deployment) -> anyhow::Result<Servers> {
             let role = deployment.name();
             let mut args = vec!["--role", role];
             args.extend(common);
-            let s = Server::start(bin, role, &args)?;
+            let mut s = Server::start(bin, role, &args, &[])?;
             let line = s.wait_for("kvsan: serving")?;
             Ok(Servers {
                 listen: s.address(&line, "listen=")?,
@@ -585,13 +515,14 @@ fn start(bin: &Path, deployment: Deployment) -> anyhow::Result<Servers> {
         Deployment::DecodePrefill => {
             let mut args = vec!["--role", "decode", "--peer-listen", "127.0.0.1:0"];
             args.extend(common);
-            let decode = Server::start(bin, "decode", &args)?;
+            let mut decode = Server::start(bin, "decode", &args, &[])?;
             let line = decode.wait_for("kvsan: serving")?;
             let peer = decode.address(&line, "peer-listen=")?;
             let prefill = Server::start(
                 bin,
                 "prefill",
                 &["--role", "prefill", "--synthetic", "--peer", &peer],
+                &[],
             )?;
             decode.wait_for("prefill node connected")?;
             Ok(Servers {
@@ -608,43 +539,20 @@ struct Timed {
     completion: Duration,
 }
 
-/// One connection speaking JSON lines; `TCP_NODELAY`, one write per line.
-struct Client {
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-    line: String,
-}
+/// One client connection, timing requests.
+struct Client(Connection);
 
 impl Client {
     fn connect(addr: &str) -> anyhow::Result<Client> {
-        let stream = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(LINE_BOUND))?;
-        Ok(Client {
-            reader: BufReader::new(stream.try_clone()?),
-            writer: stream,
-            line: String::new(),
-        })
+        Ok(Client(Connection::open(addr, LINE_BOUND)?))
     }
 
     fn send(&mut self, line: &str) -> anyhow::Result<()> {
-        let mut bytes = Vec::with_capacity(line.len() + 1);
-        bytes.extend_from_slice(line.as_bytes());
-        bytes.push(b'\n');
-        self.writer.write_all(&bytes)?;
-        Ok(())
+        self.0.send(line)
     }
 
     fn recv(&mut self) -> anyhow::Result<&str> {
-        self.line.clear();
-        let n = self
-            .reader
-            .read_line(&mut self.line)
-            .context("reading the server's answer")?;
-        if n == 0 {
-            bail!("the server closed the connection");
-        }
-        Ok(&self.line)
+        self.0.recv()
     }
 
     /// Sends one request and reads its answer to the finished line; with

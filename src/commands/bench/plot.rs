@@ -1,7 +1,12 @@
-//! The ratio plot: one column per (workload, pair), a dot at the median
-//! ratio and a bar from the min to the max over rounds, with the line of no
-//! overhead (1.0) and each pair's target. Plain SVG, written by hand: a few
-//! dozen elements do not need a plotting library.
+//! The benchmarks' plots, plain SVG written by hand: a few dozen elements
+//! do not need a plotting library.
+//!
+//! - [`svg`], the ratio plot (`overhead`): one column per (workload, pair),
+//!   a dot at the median ratio and a bar from the min to the max over
+//!   rounds, with the line of no overhead (1.0) and each pair's target;
+//! - [`curve`], lines over a common x axis (`soak`: resident memory against
+//!   requests served), the y axis from zero so that a flat line looks flat
+//!   at its true scale.
 
 use std::fmt::Write;
 
@@ -33,18 +38,9 @@ fn escape(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
-/// The SVG document for `columns` under `title`.
-pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
-    let width = LEFT + 20.0 + WIDTH_PER_COLUMN * columns.len().max(1) as f64;
-    let plot_h = HEIGHT - TOP - BOTTOM;
-    let (mut lo, mut hi) = (1.0f64, 1.0f64);
-    for c in columns {
-        lo = lo.min(c.min);
-        hi = hi.max(c.max).max(c.target.unwrap_or(1.0));
-    }
-    let pad = ((hi - lo) * 0.1).max(0.01);
-    let (lo, hi) = (lo - pad, hi + pad);
-    let y = |v: f64| TOP + (hi - v) / (hi - lo) * plot_h;
+/// The opening of a `width` × [`HEIGHT`] document: white ground, `title`
+/// centred on top.
+fn header(width: f64, title: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -57,6 +53,22 @@ pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
         width / 2.0,
         escape(title)
     );
+    s
+}
+
+/// The SVG document for `columns` under `title`.
+pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
+    let width = LEFT + 20.0 + WIDTH_PER_COLUMN * columns.len().max(1) as f64;
+    let plot_h = HEIGHT - TOP - BOTTOM;
+    let (mut lo, mut hi) = (1.0f64, 1.0f64);
+    for c in columns {
+        lo = lo.min(c.min);
+        hi = hi.max(c.max).max(c.target.unwrap_or(1.0));
+    }
+    let pad = ((hi - lo) * 0.1).max(0.01);
+    let (lo, hi) = (lo - pad, hi + pad);
+    let y = |v: f64| TOP + (hi - v) / (hi - lo) * plot_h;
+    let mut s = header(width, title);
     // Axis with five ticks.
     let _ = writeln!(
         s,
@@ -145,6 +157,150 @@ pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
     s
 }
 
+/// One line of a [`curve`] plot: its name (legend) and its points (x, y).
+pub struct Series<'a> {
+    /// Legend text.
+    pub name: &'a str,
+    /// Points in x order.
+    pub points: &'a [(f64, f64)],
+}
+
+const CURVE_WIDTH: f64 = 720.0;
+const CURVE_RIGHT: f64 = 150.0;
+const COLORS: [&str; 4] = ["#2a6fb0", "#c0392b", "#27ae60", "#8e44ad"];
+
+/// A round tick step for `span` split in about `parts`: 1, 2 or 5 × 10^k.
+fn tick_step(span: f64, parts: f64) -> f64 {
+    let raw = (span / parts).max(f64::MIN_POSITIVE);
+    let magnitude = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * magnitude)
+        .find(|&s| s >= raw)
+        .unwrap_or(10.0 * magnitude);
+    step.max(f64::MIN_POSITIVE)
+}
+
+/// `12345.0` as `12,345`.
+pub fn thousands(v: f64) -> String {
+    let digits = format!("{:.0}", v.abs());
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if v < 0.0 { format!("-{out}") } else { out }
+}
+
+/// The SVG document of `series` under `title`: both axes from zero, ticks
+/// at round values, a legend, and `note` under the plot.
+pub fn curve(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    note: &str,
+    series: &[Series<'_>],
+) -> String {
+    let plot_w = CURVE_WIDTH - LEFT - CURVE_RIGHT;
+    let plot_h = HEIGHT - TOP - BOTTOM;
+    let points = || series.iter().flat_map(|s| s.points.iter());
+    let x_max = points().map(|p| p.0).fold(0.0, f64::max).max(1.0);
+    let y_max = points().map(|p| p.1).fold(0.0, f64::max).max(1.0) * 1.15;
+    let (x_step, y_step) = (tick_step(x_max, 5.0), tick_step(y_max, 5.0));
+    let (x_max, y_max) = (
+        (x_max / x_step).ceil() * x_step,
+        (y_max / y_step).ceil() * y_step,
+    );
+    let x = |v: f64| LEFT + v / x_max * plot_w;
+    let y = |v: f64| TOP + (1.0 - v / y_max) * plot_h;
+    let mut s = header(CURVE_WIDTH, title);
+    let _ = writeln!(
+        s,
+        r#"<path d="M{LEFT} {TOP} V{:.1} H{:.1}" fill="none" stroke="black"/>"#,
+        TOP + plot_h,
+        LEFT + plot_w
+    );
+    let mut v = 0.0;
+    while v <= y_max + y_step / 2.0 {
+        let _ = writeln!(
+            s,
+            r##"<line x1="{:.1}" y1="{yv:.1}" x2="{:.1}" y2="{yv:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
+            LEFT,
+            LEFT + plot_w,
+            LEFT - 6.0,
+            y(v) + 4.0,
+            if y_step < 1.0 {
+                format!("{v:.1}")
+            } else {
+                thousands(v)
+            },
+            yv = y(v)
+        );
+        v += y_step;
+    }
+    let mut v = 0.0;
+    while v <= x_max + x_step / 2.0 {
+        let _ = writeln!(
+            s,
+            r#"<line x1="{xv:.1}" y1="{:.1}" x2="{xv:.1}" y2="{:.1}" stroke="black"/><text x="{xv:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            TOP + plot_h,
+            TOP + plot_h + 4.0,
+            TOP + plot_h + 16.0,
+            thousands(v),
+            xv = x(v)
+        );
+        v += x_step;
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+        LEFT + plot_w / 2.0,
+        TOP + plot_h + 34.0,
+        escape(x_label)
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="14" y="{:.1}" transform="rotate(-90 14 {:.1})" text-anchor="middle">{}</text>"#,
+        TOP + plot_h / 2.0,
+        TOP + plot_h / 2.0,
+        escape(y_label)
+    );
+    for (i, line) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let path: Vec<String> = line
+            .points
+            .iter()
+            .map(|&(px, py)| format!("{:.1},{:.1}", x(px), y(py)))
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"><title>{}</title></polyline>"#,
+            path.join(" "),
+            escape(line.name)
+        );
+        let ly = TOP + 14.0 + 18.0 * i as f64;
+        let lx = LEFT + plot_w + 12.0;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{color}" stroke-width="2"/><text x="{:.1}" y="{:.1}">{}</text>"#,
+            lx + 18.0,
+            lx + 24.0,
+            ly + 4.0,
+            escape(line.name)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<text x="{LEFT}" y="{:.1}" fill="#555">{}</text>"##,
+        HEIGHT - 10.0,
+        escape(note)
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,5 +329,34 @@ mod tests {
         assert!(s.starts_with("<svg") && s.ends_with("</svg>\n"));
         assert_eq!(s.matches("<circle").count(), 2);
         assert!(s.contains("a&lt;b") && !s.contains("a<b"));
+    }
+
+    #[test]
+    fn curve_has_one_line_per_series_and_round_ticks() {
+        let a = [(0.0, 9.5), (50_000.0, 10.1), (100_000.0, 10.0)];
+        let b = [(0.0, 11.0), (100_000.0, 12.0)];
+        let s = curve(
+            "t",
+            "requests",
+            "MiB",
+            "n<1",
+            &[
+                Series {
+                    name: "unified",
+                    points: &a,
+                },
+                Series {
+                    name: "disagg",
+                    points: &b,
+                },
+            ],
+        );
+        assert!(s.starts_with("<svg") && s.ends_with("</svg>\n"));
+        assert_eq!(s.matches("<polyline").count(), 2);
+        assert!(s.contains(">100,000<") && s.contains(">0<"), "{s}");
+        assert!(s.contains("n&lt;1"));
+        assert_eq!(tick_step(100_000.0, 5.0), 20_000.0);
+        assert_eq!(tick_step(13.8, 5.0), 5.0);
+        assert_eq!(thousands(1_234_567.0), "1,234,567");
     }
 }
