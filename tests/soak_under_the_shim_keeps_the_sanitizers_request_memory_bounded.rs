@@ -87,6 +87,10 @@ fn a_soak_under_the_shim_answers_everything_with_zero_violations_and_remembers_a
         assert_eq!(samples[0]["requests"], 0);
         assert_eq!(samples.last().unwrap()["requests"], REQUESTS);
         assert!(samples.iter().all(|s| s["rss_kib"].as_u64().unwrap() > 0));
+        // The point from which what the sanitizer remembers stays the same
+        // size: the first sample once ended_requests were answered.
+        let warm = r["rss"]["warm_requests"].as_u64().expect("a warm point");
+        assert!((ENDED_REQUESTS..REQUESTS).contains(&warm), "{role}: {warm}");
         for check in r["verdict"].as_array().expect("verdict") {
             assert_eq!(check["passed"], true, "{role}: {check}");
         }

@@ -470,13 +470,20 @@ pub struct Check {
     pub detail: String,
 }
 
-/// Resident memory at three points of the run, KiB.
+/// Resident memory at points of the run, KiB.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct RssPoints {
     /// Before the first request (the server started, idle).
     pub start_kib: u64,
     /// After half the requests.
     pub middle_kib: u64,
+    /// Answers after which the sanitizer's memory of ended requests is
+    /// full (`ended_requests` of them, from its exit line; none when the
+    /// run is shorter or unsanitized): from there on, what it remembers
+    /// stays the same size.
+    pub warm_requests: Option<usize>,
+    /// At the first sample from `warm_requests` answers on.
+    pub warm_kib: Option<u64>,
     /// After the last request.
     pub end_kib: u64,
     /// The peak over the run (`VmHWM` at the end).
@@ -726,16 +733,25 @@ fn soak_role(args: &Args, bins: &Binaries, role: Role) -> anyhow::Result<RoleRep
             .min_by_key(|s| s.requests.abs_diff(n))
             .map_or(0, |s| s.rss_kib)
     };
-    let rss = RssPoints {
-        start_kib: at(0),
-        middle_kib: at(args.requests / 2),
-        end_kib: at(args.requests),
-        peak_kib,
-    };
     let violations = parse_violations(lines);
     let reports = lines.iter().filter(|l| l.contains("kvsan: ERROR")).count();
     let checks = parse_checks(&text);
     let tracked_at_exit = parse_tracked(lines);
+    let warm = tracked_at_exit
+        .and_then(|t| usize::try_from(t.ended_requests).ok())
+        .and_then(|n| {
+            samples
+                .iter()
+                .find(|s| s.requests >= n && s.requests < args.requests)
+        });
+    let rss = RssPoints {
+        start_kib: at(0),
+        middle_kib: at(args.requests / 2),
+        warm_requests: warm.map(|s| s.requests),
+        warm_kib: warm.map(|s| s.rss_kib),
+        end_kib: at(args.requests),
+        peak_kib,
+    };
 
     let mut verdict = Vec::new();
     let mut check = |name, passed, detail: String| {
@@ -857,6 +873,14 @@ fn table(reports: &[RoleReport], machine: &Value) -> String {
             mib(r.rss.end_kib) - mib(r.rss.middle_kib),
             mib(r.rss.peak_kib)
         );
+        if let (Some(n), Some(kib)) = (r.rss.warm_requests, r.rss.warm_kib) {
+            let _ = writeln!(
+                t,
+                "  RSS once the sanitizer's ended requests are full ({n} answered) {:.1} MiB; to the end {:+.1} MiB",
+                mib(kib),
+                mib(r.rss.end_kib) - mib(kib)
+            );
+        }
         for c in &r.verdict {
             let _ = writeln!(
                 t,
