@@ -317,14 +317,19 @@ impl Lifecycle {
         if ended.cap == 0 {
             return;
         }
-        if ended.records.insert(id, rec).is_none() {
-            ended.order.push_back(id);
-        }
-        while ended.records.len() > ended.cap {
+        // Room first, then the new one: the order never holds more than
+        // `cap` ids (stale ones aside), so its ring never outgrows `cap`
+        // slots. Trimming after the insert took it to `cap + 1` once, which
+        // doubled the ring; the doubled ring then touched a new page every
+        // 512 requests until it wrapped, `cap` requests later.
+        while ended.records.len() >= ended.cap {
             let Some(old) = ended.order.pop_front() else {
                 break;
             };
             ended.records.remove(&old);
+        }
+        if ended.records.insert(id, rec).is_none() {
+            ended.order.push_back(id);
         }
         // Ids revived and retired again leave stale entries in the order.
         if ended.order.len() > 2 * ended.cap.max(1) {
@@ -369,6 +374,24 @@ mod tests {
             assert_eq!(Rejected.transition(to), Transition::TerminalActivity);
             assert_eq!(Aborted.transition(to), Transition::TerminalActivity);
         }
+    }
+
+    #[test]
+    fn the_order_of_ended_requests_never_outgrows_the_bound() {
+        const CAP: usize = 64;
+        let lifecycle = Lifecycle::new(CAP);
+        for n in 0..10 * CAP as u64 {
+            let id = RequestId(n);
+            lifecycle
+                .entry(id, TenantId(0))
+                .view_mut(Scope::Process, Finished);
+            lifecycle.retire_if_over(id);
+        }
+        assert_eq!(lifecycle.tracked(), (0, CAP));
+        let ended = lifecycle.ended.lock();
+        assert_eq!(ended.order.len(), CAP);
+        // Its ring holds exactly the bound: it never held one more.
+        assert_eq!(ended.order.capacity(), CAP);
     }
 
     #[test]
