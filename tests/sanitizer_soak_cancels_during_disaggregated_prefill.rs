@@ -6,7 +6,8 @@
 //! prefill node. The sanitizer must report nothing, every request must be
 //! answered (finished, rejected or cancelled), and every page must be back
 //! on both free lists. The decode pool is small enough that decoding
-//! requests are preempted too.
+//! requests are preempted too: four long requests the canceller leaves
+//! alone make sure of it.
 //!
 //! Two deployments: both nodes in one process sharing one sanitizer, and a
 //! decode node and a prefill node each with a sanitizer of its own (as two
@@ -37,6 +38,13 @@ const CONTEXT: usize = 2048;
 const PREFILL_POOL: usize = 1024;
 const DECODE_POOL: usize = 3072;
 const CLIENTS: usize = 16;
+/// Clients whose first request is an anchor: a long prompt that decodes
+/// nearly to the context and is never cancelled. Two anchors decoding at
+/// once need more pages than the decode pool has, so the load preempts
+/// however fast the canceller ends the others (on a loaded machine it ends
+/// most requests before they decode far).
+const ANCHORS: usize = 4;
+const ANCHOR_PROMPT: usize = 1000;
 const OPTIONS: &str = "quarantine_pages=8:poison=1";
 
 fn requests() -> usize {
@@ -52,6 +60,16 @@ fn request(rng: &mut Rng) -> Request {
         tenant: TenantId(1 + rng.below(6) as u32),
         prompt: (0..len).map(|_| rng.below(256) as u32).collect(),
         max_tokens: 1 + rng.below(32) as usize,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: Vec::new(),
+    }
+}
+
+fn anchor(rng: &mut Rng) -> Request {
+    Request {
+        tenant: TenantId(1 + rng.below(6) as u32),
+        prompt: (0..ANCHOR_PROMPT).map(|_| rng.below(256) as u32).collect(),
+        max_tokens: CONTEXT - ANCHOR_PROMPT - 8,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
     }
@@ -193,12 +211,19 @@ fn load(running: &Running, seed: u64) -> HashMap<&'static str, usize> {
                 let (live, outcomes) = (live.clone(), outcomes.clone());
                 s.spawn(move || {
                     let mut rng = Rng(seed + c as u64);
-                    for _ in (c..n).step_by(CLIENTS) {
-                        let req = request(&mut rng);
+                    for (i, _) in (c..n).step_by(CLIENTS).enumerate() {
+                        let anchored = i == 0 && c < ANCHORS;
+                        let req = if anchored {
+                            anchor(&mut rng)
+                        } else {
+                            request(&mut rng)
+                        };
                         let over = req.prompt.len() + req.max_tokens > CONTEXT
                             || req.prompt.len() > PREFILL_POOL;
                         let handle: RequestHandle = running.engine.submit(req);
-                        live.lock().unwrap().push(handle.id);
+                        if !anchored {
+                            live.lock().unwrap().push(handle.id);
+                        }
                         let outcome = match handle.wait() {
                             Ok(_) => "finished",
                             Err(e) if e.kind == ErrorKind::Rejected && over => "rejected",
