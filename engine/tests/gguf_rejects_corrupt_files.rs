@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use kvsan_engine::EngineError;
+use kvsan_engine::gguf::GgufError;
 use kvsan_engine::gguf::{GgufBuilder, GgufFile, MetaArray, MetaValue};
 use kvsan_kernels::DType;
 use proptest::prelude::*;
@@ -174,10 +175,10 @@ fn truncation_at_every_offset_gives_an_error_not_a_panic() {
                 assert!(
                     matches!(
                         e,
-                        EngineError::GgufTruncated { .. }
-                            | EngineError::GgufCorrupt { .. }
-                            | EngineError::GgufBadMagic { .. }
-                            | EngineError::GgufBadTensor { .. }
+                        EngineError::Gguf(GgufError::Truncated { .. })
+                            | EngineError::Gguf(GgufError::Corrupt { .. })
+                            | EngineError::Gguf(GgufError::BadMagic { .. })
+                            | EngineError::Gguf(GgufError::BadTensor { .. })
                     ),
                     "cut at {cut}: {msg}"
                 );
@@ -192,7 +193,10 @@ fn wrong_magic_and_unsupported_versions_are_named() {
     let mut bytes = sample().to_bytes();
     bytes[..4].copy_from_slice(b"GGML");
     let (msg, e) = open_err(dir.path(), &bytes);
-    assert!(matches!(e, EngineError::GgufBadMagic { .. }), "{msg}");
+    assert!(
+        matches!(e, EngineError::Gguf(GgufError::BadMagic { .. })),
+        "{msg}"
+    );
     assert!(msg.contains("not a GGUF file"), "{msg}");
     for v in [1u32, 4, 0xFFFF_FFFF] {
         let mut bytes = sample().to_bytes();
@@ -212,7 +216,7 @@ fn unknown_tensor_type_names_the_tensor_and_the_type_id() {
         .to_bytes();
     let (msg, e) = open_err(dir.path(), &bytes);
     assert!(
-        matches!(&e, EngineError::GgufUnknownTensorType { tensor, type_id: 6, .. } if tensor == "blk.0.attn_q.weight"),
+        matches!(&e, EngineError::Gguf(GgufError::UnknownTensorType { tensor, type_id: 6, .. }) if tensor == "blk.0.attn_q.weight"),
         "{msg}"
     );
     assert!(

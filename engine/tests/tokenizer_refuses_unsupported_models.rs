@@ -8,6 +8,7 @@ use kvsan_engine::EngineError;
 use kvsan_engine::chat::{ChatMessage, ChatTemplate};
 use kvsan_engine::gguf::{GgufBuilder, GgufFile};
 use kvsan_engine::tokenizer::Tokenizer;
+use kvsan_engine::tokenizer::TokenizerError;
 
 /// GPT-2's byte-to-unicode table (the inverse of what the tokenizer decodes).
 fn byte_char(b: u8) -> char {
@@ -73,7 +74,10 @@ fn sentencepiece_and_unknown_pretokenizers_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let (p, f) = open(&dir, tiny("smollm", "llama"));
     let e = Tokenizer::from_gguf(&f).unwrap_err();
-    assert!(matches!(e, EngineError::TokenizerUnsupported { .. }));
+    assert!(matches!(
+        e,
+        EngineError::Tokenizer(TokenizerError::Unsupported { .. })
+    ));
     let msg = e.to_string();
     assert!(
         msg.contains(&p.display().to_string())

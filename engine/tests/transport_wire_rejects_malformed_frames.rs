@@ -5,9 +5,8 @@ mod transport_wire_support;
 
 use std::io::Cursor;
 
-use kvsan_engine::EngineError;
 use kvsan_engine::transport::wire::{
-    self, FLAG_BULK, FLAG_REQUEST, HEADER_LEN, WireLimits, WireMessage, encode,
+    self, FLAG_BULK, FLAG_REQUEST, HEADER_LEN, WireError, WireLimits, WireMessage, encode,
     frame_fault_keeps_stream, read_frame,
 };
 use kvsan_engine::transport::{KvPayload, ToDecode, ToPrefill};
@@ -22,7 +21,7 @@ fn limits() -> WireLimits {
     }
 }
 
-fn read<M: WireMessage>(bytes: &[u8], limits: &WireLimits) -> Result<Option<M>, EngineError> {
+fn read<M: WireMessage>(bytes: &[u8], limits: &WireLimits) -> Result<Option<M>, WireError> {
     read_frame(&mut Cursor::new(bytes), limits)
 }
 
@@ -60,7 +59,7 @@ fn bad_magic_names_the_bytes_found_and_breaks_the_stream() {
     f[0..4].copy_from_slice(b"HTTP");
     let e = read::<ToDecode>(&f, &limits()).unwrap_err();
     assert!(
-        matches!(e, EngineError::WireBadMagic { found } if &found == b"HTTP"),
+        matches!(e, WireError::BadMagic { found } if &found == b"HTTP"),
         "{e}"
     );
     assert!(e.to_string().contains("KVSN"), "{e}");
@@ -74,7 +73,7 @@ fn an_unsupported_version_names_the_supported_ones() {
     reseal_header(&mut f);
     let e = read::<ToDecode>(&f, &limits()).unwrap_err();
     assert!(
-        matches!(e, EngineError::WireUnsupportedVersion { version: 7, .. }),
+        matches!(e, WireError::UnsupportedVersion { version: 7, .. }),
         "{e}"
     );
     assert!(
@@ -89,7 +88,7 @@ fn a_damaged_header_is_caught_by_its_own_checksum() {
     let mut f = encode(&support::done(1)).unwrap();
     f[9] ^= 0x10; // the length: framing would be lost without the header check
     let e = read::<ToDecode>(&f, &limits()).unwrap_err();
-    assert!(matches!(e, EngineError::WireBadHeader { .. }), "{e}");
+    assert!(matches!(e, WireError::BadHeader { .. }), "{e}");
     assert!(e.to_string().contains("header checksum"), "{e}");
     assert!(!frame_fault_keeps_stream(&e));
 }
@@ -100,7 +99,7 @@ fn undefined_flag_bits_are_refused() {
     f[7] |= 0x80;
     reseal_header(&mut f);
     let e = read::<ToDecode>(&f, &limits()).unwrap_err();
-    assert!(matches!(e, EngineError::WireBadHeader { .. }), "{e}");
+    assert!(matches!(e, WireError::BadHeader { .. }), "{e}");
     assert!(e.to_string().contains("0x81"), "{e}");
 }
 
@@ -115,7 +114,7 @@ fn an_oversize_frame_names_its_length_and_the_limit_before_reading_it() {
     let e = read::<ToDecode>(&f[..HEADER_LEN], &small).unwrap_err();
     let len = (f.len() - HEADER_LEN) as u64;
     assert!(
-        matches!(e, EngineError::WireFrameTooLarge { len: l, limit: 1000, msg_type: 17 } if l == len),
+        matches!(e, WireError::FrameTooLarge { len: l, limit: 1000, msg_type: 17 } if l == len),
         "{e}"
     );
     assert!(
@@ -132,7 +131,7 @@ fn a_stream_ending_mid_header_or_mid_payload_is_truncated() {
     assert!(
         matches!(
             e,
-            EngineError::WireTruncated {
+            WireError::Truncated {
                 part: "header",
                 got: 10,
                 needed: 32
@@ -144,7 +143,7 @@ fn a_stream_ending_mid_header_or_mid_payload_is_truncated() {
     let e = read::<ToDecode>(&f[..cut], &limits()).unwrap_err();
     let needed = (f.len() - HEADER_LEN) as u64;
     assert!(
-        matches!(e, EngineError::WireTruncated { part: "payload", got: 100, needed: n } if n == needed),
+        matches!(e, WireError::Truncated { part: "payload", got: 100, needed: n } if n == needed),
         "{e}"
     );
     assert!(!frame_fault_keeps_stream(&e));
@@ -159,7 +158,7 @@ fn a_payload_checksum_mismatch_names_both_sums_and_the_request_and_keeps_the_str
     let mut r = Cursor::new(&stream);
     let e = read_frame::<ToDecode, _>(&mut r, &limits()).unwrap_err();
     match &e {
-        EngineError::WireChecksumMismatch {
+        WireError::ChecksumMismatch {
             msg_type,
             request,
             expected,
@@ -188,7 +187,7 @@ fn a_message_type_of_the_other_direction_is_unknown_here() {
     assert!(
         matches!(
             e,
-            EngineError::WireUnknownMessageType {
+            WireError::UnknownMessageType {
                 msg_type: 2,
                 request: Some(RequestId(8)),
                 ..
@@ -206,7 +205,7 @@ fn a_message_type_of_the_other_direction_is_unknown_here() {
     assert!(
         matches!(
             e,
-            EngineError::WireUnknownMessageType {
+            WireError::UnknownMessageType {
                 msg_type: 200,
                 request: None,
                 ..
@@ -216,9 +215,9 @@ fn a_message_type_of_the_other_direction_is_unknown_here() {
     );
 }
 
-fn malformed_field(e: &EngineError) -> &'static str {
+fn malformed_field(e: &WireError) -> &'static str {
     match e {
-        EngineError::WireMalformed { field, .. } => field,
+        WireError::Malformed { field, .. } => field,
         other => panic!("expected a malformed payload, got {other}"),
     }
 }

@@ -6,8 +6,7 @@ mod transport_wire_support;
 
 use std::io::Cursor;
 
-use kvsan_engine::EngineError;
-use kvsan_engine::transport::wire::{WireLimits, WireMessage, encode, read_frame};
+use kvsan_engine::transport::wire::{WireError, WireLimits, WireMessage, encode, read_frame};
 use kvsan_engine::transport::{ToDecode, ToPrefill};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -53,7 +52,7 @@ fn frames() -> Vec<(Vec<u8>, bool)> {
     v
 }
 
-fn decode_any(bytes: &[u8], to_decode: bool) -> Result<Option<()>, EngineError> {
+fn decode_any(bytes: &[u8], to_decode: bool) -> Result<Option<()>, WireError> {
     let lim = limits();
     let mut r = Cursor::new(bytes);
     if to_decode {
@@ -87,10 +86,7 @@ fn every_truncation_of_a_valid_frame_is_an_error() {
         for cut in 1..frame.len() {
             let e = decode_any(&frame[..cut], to_decode).unwrap_err();
             assert!(
-                matches!(
-                    e,
-                    EngineError::WireTruncated { .. } | EngineError::WireIo { .. }
-                ),
+                matches!(e, WireError::Truncated { .. } | WireError::Io { .. }),
                 "cut at {cut} of {}: {e}",
                 frame.len()
             );

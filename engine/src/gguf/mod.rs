@@ -35,8 +35,8 @@
 //! `dims == [cols, rows]`.
 //!
 //! The reader never trusts a count or a length: each is bounded by the bytes
-//! left in the file before anything is allocated, so a corrupt file gives an
-//! [`EngineError`] naming the file and the offset, never a panic or a huge
+//! left in the file before anything is allocated, so a corrupt file gives a
+//! [`GgufError`] naming the file and the offset, never a panic or a huge
 //! allocation.
 
 use std::collections::HashMap;
@@ -47,10 +47,12 @@ use kvsan_kernels::DType;
 
 use crate::error::EngineError;
 
+mod error;
 mod meta;
 mod parse;
 mod write;
 
+pub use error::GgufError;
 pub use meta::{MetaArray, MetaType, MetaValue};
 use parse::Parser;
 pub use write::GgufBuilder;
@@ -155,9 +157,9 @@ impl GgufFile {
     /// Opens, maps and parses `path`.
     ///
     /// # Errors
-    /// [`EngineError::Io`] when the file cannot be opened or mapped; a
-    /// `Gguf*` variant naming the file and what is wrong when it is not a
-    /// valid GGUF v2/v3 file with tensors of supported types.
+    /// [`EngineError::Io`] when the file cannot be opened or mapped;
+    /// [`EngineError::Gguf`] naming the file and what is wrong when it is not
+    /// a valid GGUF v2/v3 file with tensors of supported types.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, EngineError> {
         let path = path.as_ref().to_path_buf();
         let file = std::fs::File::open(&path).map_err(|e| EngineError::io(&path, "open", e))?;
@@ -169,7 +171,7 @@ impl GgufFile {
             // Too short to map usefully (and an empty mapping is an error on
             // some systems): read what is there to report it.
             let found = std::fs::read(&path).map_err(|e| EngineError::io(&path, "read", e))?;
-            return Err(EngineError::GgufBadMagic { path, found });
+            return Err(GgufError::BadMagic { path, found }.into());
         }
         // SAFETY: the mapping is read-only and private to this process. The
         // file may be modified by another process while mapped; GGUF model
@@ -240,7 +242,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing or not a string.
-    pub fn architecture(&self) -> Result<&str, EngineError> {
+    pub fn architecture(&self) -> Result<&str, GgufError> {
         self.get_str("general.architecture")
     }
 
@@ -253,12 +255,12 @@ impl GgufFile {
     /// The tensor named `name`.
     ///
     /// # Errors
-    /// [`EngineError::GgufMissingTensor`] naming the file and the tensor.
-    pub fn tensor(&self, name: &str) -> Result<&TensorInfo, EngineError> {
+    /// [`GgufError::MissingTensor`] naming the file and the tensor.
+    pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
         self.tensor_index
             .get(name)
             .map(|&i| &self.tensors[i])
-            .ok_or_else(|| EngineError::GgufMissingTensor {
+            .ok_or_else(|| GgufError::MissingTensor {
                 path: self.path.clone(),
                 tensor: name.to_owned(),
             })
@@ -279,16 +281,16 @@ impl GgufFile {
             .unwrap_or(&[])
     }
 
-    fn missing(&self, key: &str, expected: &'static str) -> EngineError {
-        EngineError::GgufMissingKey {
+    fn missing(&self, key: &str, expected: &'static str) -> GgufError {
+        GgufError::MissingKey {
             path: self.path.clone(),
             key: key.to_owned(),
             expected,
         }
     }
 
-    fn wrong(&self, key: &str, expected: &'static str, found: String) -> EngineError {
-        EngineError::GgufKeyType {
+    fn wrong(&self, key: &str, expected: &'static str, found: String) -> GgufError {
+        GgufError::KeyType {
             path: self.path.clone(),
             key: key.to_owned(),
             expected,
@@ -296,15 +298,11 @@ impl GgufFile {
         }
     }
 
-    fn get_or_missing(&self, key: &str, expected: &'static str) -> Result<&MetaValue, EngineError> {
+    fn get_or_missing(&self, key: &str, expected: &'static str) -> Result<&MetaValue, GgufError> {
         self.get(key).ok_or_else(|| self.missing(key, expected))
     }
 
-    fn get_int<T: TryFrom<i128>>(
-        &self,
-        key: &str,
-        expected: &'static str,
-    ) -> Result<T, EngineError> {
+    fn get_int<T: TryFrom<i128>>(&self, key: &str, expected: &'static str) -> Result<T, GgufError> {
         let v = self.get_or_missing(key, expected)?;
         v.as_integer()
             .and_then(|i| T::try_from(i).ok())
@@ -315,7 +313,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing, not an integer, or out of range.
-    pub fn get_u32(&self, key: &str) -> Result<u32, EngineError> {
+    pub fn get_u32(&self, key: &str) -> Result<u32, GgufError> {
         self.get_int(key, "an integer in 0..=4294967295 (u32)")
     }
 
@@ -323,7 +321,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing, not an integer, or negative.
-    pub fn get_u64(&self, key: &str) -> Result<u64, EngineError> {
+    pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         self.get_int(key, "a non-negative integer (u64)")
     }
 
@@ -331,7 +329,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing, not an integer, or out of range.
-    pub fn get_i32(&self, key: &str) -> Result<i32, EngineError> {
+    pub fn get_i32(&self, key: &str) -> Result<i32, GgufError> {
         self.get_int(key, "an integer in i32 range")
     }
 
@@ -339,7 +337,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing, not an integer, or out of range.
-    pub fn get_usize(&self, key: &str) -> Result<usize, EngineError> {
+    pub fn get_usize(&self, key: &str) -> Result<usize, GgufError> {
         self.get_int(key, "a non-negative integer (usize)")
     }
 
@@ -347,7 +345,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing or not a float.
-    pub fn get_f32(&self, key: &str) -> Result<f32, EngineError> {
+    pub fn get_f32(&self, key: &str) -> Result<f32, GgufError> {
         const EXPECTED: &str = "a float (f32)";
         match self.get_or_missing(key, EXPECTED)? {
             MetaValue::F32(v) => Ok(*v),
@@ -360,7 +358,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing or not a bool.
-    pub fn get_bool(&self, key: &str) -> Result<bool, EngineError> {
+    pub fn get_bool(&self, key: &str) -> Result<bool, GgufError> {
         const EXPECTED: &str = "a bool";
         match self.get_or_missing(key, EXPECTED)? {
             MetaValue::Bool(v) => Ok(*v),
@@ -372,7 +370,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing or not a string.
-    pub fn get_str(&self, key: &str) -> Result<&str, EngineError> {
+    pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
         const EXPECTED: &str = "a string";
         match self.get_or_missing(key, EXPECTED)? {
             MetaValue::String(v) => Ok(v),
@@ -384,7 +382,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing or not an array of strings.
-    pub fn get_string_array(&self, key: &str) -> Result<&[String], EngineError> {
+    pub fn get_string_array(&self, key: &str) -> Result<&[String], GgufError> {
         const EXPECTED: &str = "an array of strings";
         match self.get_or_missing(key, EXPECTED)? {
             MetaValue::Array(MetaArray::String(v)) => Ok(v),
@@ -396,7 +394,7 @@ impl GgufFile {
         &self,
         key: &str,
         expected: &'static str,
-    ) -> Result<Vec<T>, EngineError> {
+    ) -> Result<Vec<T>, GgufError> {
         let v = self.get_or_missing(key, expected)?;
         let MetaValue::Array(a) = v else {
             return Err(self.wrong(key, expected, v.describe()));
@@ -417,7 +415,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing, not an integer array, or a value is out of range.
-    pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>, EngineError> {
+    pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>, GgufError> {
         self.get_int_array(key, "an array of integers in i32 range")
     }
 
@@ -426,7 +424,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing, not an integer array, or a value is out of range.
-    pub fn get_u32_array(&self, key: &str) -> Result<Vec<u32>, EngineError> {
+    pub fn get_u32_array(&self, key: &str) -> Result<Vec<u32>, GgufError> {
         self.get_int_array(key, "an array of integers in u32 range")
     }
 
@@ -434,7 +432,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is missing or not a float array.
-    pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>, EngineError> {
+    pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
         const EXPECTED: &str = "an array of floats";
         match self.get_or_missing(key, EXPECTED)? {
             MetaValue::Array(MetaArray::F32(v)) => Ok(v.clone()),
@@ -447,7 +445,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is present with the wrong type.
-    pub fn get_u32_opt(&self, key: &str) -> Result<Option<u32>, EngineError> {
+    pub fn get_u32_opt(&self, key: &str) -> Result<Option<u32>, GgufError> {
         self.get(key).map(|_| self.get_u32(key)).transpose()
     }
 
@@ -455,7 +453,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is present with the wrong type.
-    pub fn get_f32_opt(&self, key: &str) -> Result<Option<f32>, EngineError> {
+    pub fn get_f32_opt(&self, key: &str) -> Result<Option<f32>, GgufError> {
         self.get(key).map(|_| self.get_f32(key)).transpose()
     }
 
@@ -463,7 +461,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is present with the wrong type.
-    pub fn get_bool_opt(&self, key: &str) -> Result<Option<bool>, EngineError> {
+    pub fn get_bool_opt(&self, key: &str) -> Result<Option<bool>, GgufError> {
         self.get(key).map(|_| self.get_bool(key)).transpose()
     }
 
@@ -471,7 +469,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// When the key is present with the wrong type.
-    pub fn get_str_opt(&self, key: &str) -> Result<Option<&str>, EngineError> {
+    pub fn get_str_opt(&self, key: &str) -> Result<Option<&str>, GgufError> {
         self.get(key).map(|_| self.get_str(key)).transpose()
     }
 }

@@ -6,11 +6,11 @@ use std::path::Path;
 
 use kvsan_kernels::DType;
 
+use super::GgufError;
 use super::{
     DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_DIMS, MetaArray, MetaType, MetaValue,
     TensorInfo,
 };
-use crate::error::EngineError;
 
 /// What the parser extracts from the bytes.
 pub(super) struct Parsed {
@@ -37,17 +37,17 @@ impl<'a> Parser<'a> {
         (self.buf.len() - self.pos) as u64
     }
 
-    fn corrupt(&self, offset: usize, what: String) -> EngineError {
-        EngineError::GgufCorrupt {
+    fn corrupt(&self, offset: usize, what: String) -> GgufError {
+        GgufError::Corrupt {
             path: self.path.to_path_buf(),
             offset: offset as u64,
             what,
         }
     }
 
-    fn take(&mut self, n: usize, what: &dyn Fn() -> String) -> Result<&'a [u8], EngineError> {
+    fn take(&mut self, n: usize, what: &dyn Fn() -> String) -> Result<&'a [u8], GgufError> {
         if n as u64 > self.remaining() {
-            return Err(EngineError::GgufTruncated {
+            return Err(GgufError::Truncated {
                 path: self.path.to_path_buf(),
                 what: what(),
                 offset: self.pos as u64,
@@ -60,18 +60,18 @@ impl<'a> Parser<'a> {
         Ok(s)
     }
 
-    fn array<const N: usize>(&mut self, what: &dyn Fn() -> String) -> Result<[u8; N], EngineError> {
+    fn array<const N: usize>(&mut self, what: &dyn Fn() -> String) -> Result<[u8; N], GgufError> {
         let s = self.take(N, what)?;
         let mut a = [0u8; N];
         a.copy_from_slice(s);
         Ok(a)
     }
 
-    fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32, EngineError> {
+    fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32, GgufError> {
         Ok(u32::from_le_bytes(self.array(what)?))
     }
 
-    fn u64(&mut self, what: &dyn Fn() -> String) -> Result<u64, EngineError> {
+    fn u64(&mut self, what: &dyn Fn() -> String) -> Result<u64, GgufError> {
         Ok(u64::from_le_bytes(self.array(what)?))
     }
 
@@ -84,7 +84,7 @@ impl<'a> Parser<'a> {
         count: u64,
         min_size: u64,
         what: &dyn Fn() -> String,
-    ) -> Result<usize, EngineError> {
+    ) -> Result<usize, GgufError> {
         let fits = count
             .checked_mul(min_size)
             .is_some_and(|b| b <= self.remaining());
@@ -101,7 +101,7 @@ impl<'a> Parser<'a> {
         Ok(count as usize)
     }
 
-    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, EngineError> {
+    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
         let at = self.pos;
         let len = self.u64(&|| format!("length of {}", what()))?;
         let len = self.check_count(at, len, 1, &|| format!("length of {}", what()))?;
@@ -114,7 +114,7 @@ impl<'a> Parser<'a> {
         })
     }
 
-    fn meta_type(&mut self, what: &dyn Fn() -> String) -> Result<MetaType, EngineError> {
+    fn meta_type(&mut self, what: &dyn Fn() -> String) -> Result<MetaType, GgufError> {
         let at = self.pos;
         let id = self.u32(what)?;
         MetaType::from_id(id).ok_or_else(|| {
@@ -125,7 +125,7 @@ impl<'a> Parser<'a> {
         })
     }
 
-    fn value(&mut self, ty: MetaType, what: &dyn Fn() -> String) -> Result<MetaValue, EngineError> {
+    fn value(&mut self, ty: MetaType, what: &dyn Fn() -> String) -> Result<MetaValue, GgufError> {
         Ok(match ty {
             MetaType::U8 => MetaValue::U8(self.array::<1>(what)?[0]),
             MetaType::I8 => MetaValue::I8(i8::from_le_bytes(self.array(what)?)),
@@ -143,7 +143,7 @@ impl<'a> Parser<'a> {
         })
     }
 
-    fn bool(&mut self, what: &dyn Fn() -> String) -> Result<bool, EngineError> {
+    fn bool(&mut self, what: &dyn Fn() -> String) -> Result<bool, GgufError> {
         let at = self.pos;
         match self.array::<1>(what)?[0] {
             0 => Ok(false),
@@ -156,7 +156,7 @@ impl<'a> Parser<'a> {
         &mut self,
         what: &dyn Fn() -> String,
         depth: usize,
-    ) -> Result<MetaArray, EngineError> {
+    ) -> Result<MetaArray, GgufError> {
         let at = self.pos;
         let ty = self.meta_type(&|| format!("element type of {}", what()))?;
         let count = self.u64(&|| format!("element count of {}", what()))?;
@@ -217,17 +217,17 @@ impl<'a> Parser<'a> {
         })
     }
 
-    pub(super) fn parse(mut self) -> Result<Parsed, EngineError> {
+    pub(super) fn parse(mut self) -> Result<Parsed, GgufError> {
         let magic = self.array::<4>(&|| "magic".to_owned())?;
         if magic != GGUF_MAGIC {
-            return Err(EngineError::GgufBadMagic {
+            return Err(GgufError::BadMagic {
                 path: self.path.to_path_buf(),
                 found: magic.to_vec(),
             });
         }
         let version = self.u32(&|| "version".to_owned())?;
         if !(2..=3).contains(&version) {
-            return Err(EngineError::GgufUnsupportedVersion {
+            return Err(GgufError::UnsupportedVersion {
                 path: self.path.to_path_buf(),
                 version,
             });
@@ -259,7 +259,7 @@ impl<'a> Parser<'a> {
             None => DEFAULT_ALIGNMENT,
             Some(MetaValue::U32(a)) if a.is_power_of_two() => u64::from(*a),
             Some(other) => {
-                return Err(EngineError::GgufKeyType {
+                return Err(GgufError::KeyType {
                     path: self.path.to_path_buf(),
                     key: "general.alignment".to_owned(),
                     expected: "a u32 power of two",
@@ -310,7 +310,7 @@ impl<'a> Parser<'a> {
         let mut tensors = Vec::with_capacity(raw.len());
         let mut names = HashMap::with_capacity(raw.len());
         for t in raw {
-            let bad = |what: String| EngineError::GgufBadTensor {
+            let bad = |what: String| GgufError::BadTensor {
                 path: self.path.to_path_buf(),
                 tensor: t.name.clone(),
                 what,
@@ -319,7 +319,7 @@ impl<'a> Parser<'a> {
                 return Err(self.corrupt(t.at, format!("duplicate tensor name '{}'", t.name)));
             }
             let dtype =
-                DType::from_ggml(t.type_id).ok_or_else(|| EngineError::GgufUnknownTensorType {
+                DType::from_ggml(t.type_id).ok_or_else(|| GgufError::UnknownTensorType {
                     path: self.path.to_path_buf(),
                     tensor: t.name.clone(),
                     type_id: t.type_id,

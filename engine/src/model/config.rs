@@ -39,8 +39,8 @@ impl ModelConfig {
     ///
     /// # Errors
     /// [`EngineError::ModelUnsupported`] for another architecture or RoPE
-    /// scaling; a `Gguf*` error naming the key when one is missing or has the
-    /// wrong type; [`EngineError::ModelInvalid`] for inconsistent values.
+    /// scaling; [`EngineError::Gguf`] naming the key when one is missing or
+    /// has the wrong type; [`EngineError::ModelInvalid`] for inconsistent values.
     pub fn from_gguf(file: &GgufFile) -> Result<ModelConfig, EngineError> {
         let arch = file.architecture()?;
         if !SUPPORTED_ARCHITECTURES.contains(&arch) {

@@ -7,7 +7,7 @@ use kvsan_kernels::matmul::WeightMatrix;
 use kvsan_kernels::quant;
 
 use crate::EngineError;
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufError, GgufFile};
 use crate::model::config::ModelConfig;
 
 /// Where a matrix's bytes live.
@@ -130,8 +130,8 @@ impl Weights {
     /// Weights borrowed from `file`, checked against `config`.
     ///
     /// # Errors
-    /// [`EngineError::GgufMissingTensor`] for an absent tensor;
-    /// [`EngineError::GgufBadTensor`] naming the tensor when its shape or type
+    /// [`GgufError::MissingTensor`] for an absent tensor;
+    /// [`GgufError::BadTensor`] naming the tensor when its shape or type
     /// does not fit the configuration.
     pub fn from_gguf(file: GgufFile, config: &ModelConfig) -> Result<Weights, EngineError> {
         let c = config;
@@ -139,8 +139,8 @@ impl Weights {
         let output_norm = vector(&file, "output_norm.weight", c.d_model)?;
         let output = match file.tensor("output.weight") {
             Ok(_) => Some(matrix(&file, "output.weight", c.vocab_size, c.d_model)?),
-            Err(EngineError::GgufMissingTensor { .. }) => None,
-            Err(e) => return Err(e),
+            Err(GgufError::MissingTensor { .. }) => None,
+            Err(e) => return Err(e.into()),
         };
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
@@ -197,8 +197,8 @@ impl Weights {
     }
 }
 
-fn bad_tensor(file: &GgufFile, tensor: &str, what: String) -> EngineError {
-    EngineError::GgufBadTensor {
+fn bad_tensor(file: &GgufFile, tensor: &str, what: String) -> GgufError {
+    GgufError::BadTensor {
         path: file.path().to_path_buf(),
         tensor: tensor.to_string(),
         what,
@@ -206,7 +206,7 @@ fn bad_tensor(file: &GgufFile, tensor: &str, what: String) -> EngineError {
 }
 
 /// A 2-D weight tensor of `rows × cols`, validated against the kernels' geometry.
-fn matrix(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, EngineError> {
+fn matrix(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matrix, GgufError> {
     let info = file.tensor(name)?;
     if info.dims().len() != 2 || info.row_len() != cols || info.n_rows() != rows {
         return Err(bad_tensor(
@@ -235,7 +235,7 @@ fn matrix(file: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<Matri
 }
 
 /// A 1-D tensor of `len` values, dequantized to f32.
-fn vector(file: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
+fn vector(file: &GgufFile, name: &str, len: usize) -> Result<Vec<f32>, GgufError> {
     let info = file.tensor(name)?;
     if info.dims().len() != 1 || info.row_len() != len {
         return Err(bad_tensor(

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, unbounded};
 use kvsan_sanitizer::RequestId;
 
-use super::wire::{self, WireLimits, WireMessage};
+use super::wire::{self, WireError, WireLimits, WireMessage};
 use super::{Inbound, Link, LinkDown, ToDecode, ToPrefill};
 use crate::error::EngineError;
 use crate::request::{ErrorKind, RequestError};
@@ -155,7 +155,7 @@ impl<M: WireMessage> Link<M> for TcpLink<M> {
         let head = wire::frame_head(&msg).map_err(|e| down(e.to_string()))?;
         let len = (head.len() - wire::HEADER_LEN) as u64 + msg.bulk().map_or(0, |b| b.len() as u64);
         if len > self.max_frame as u64 {
-            let e = EngineError::WireFrameTooLarge {
+            let e = WireError::FrameTooLarge {
                 msg_type: msg.msg_type(),
                 len,
                 limit: self.max_frame as u64,
@@ -224,7 +224,7 @@ impl Inbox for ToPrefill {
 /// Starts the decode side of the link over a connected `stream`.
 ///
 /// # Errors
-/// [`EngineError::WireIo`] when the socket cannot be configured or cloned.
+/// [`WireError::Io`] when the socket cannot be configured or cloned.
 pub fn decode_end(stream: TcpStream, opts: &TcpOptions) -> Result<DecodeEnd, EngineError> {
     open::<ToDecode>(stream, opts)
 }
@@ -232,7 +232,7 @@ pub fn decode_end(stream: TcpStream, opts: &TcpOptions) -> Result<DecodeEnd, Eng
 /// Starts the prefill side of the link over a connected `stream`.
 ///
 /// # Errors
-/// [`EngineError::WireIo`] when the socket cannot be configured or cloned.
+/// [`WireError::Io`] when the socket cannot be configured or cloned.
 pub fn prefill_end(stream: TcpStream, opts: &TcpOptions) -> Result<PrefillEnd, EngineError> {
     open::<ToPrefill>(stream, opts)
 }
@@ -326,7 +326,7 @@ impl Listener {
     /// and starts the decode side.
     ///
     /// # Errors
-    /// [`EngineError::WireIo`] when accepting fails or nobody connects in time.
+    /// [`WireError::Io`] when accepting fails or nobody connects in time.
     pub fn accept_decode(
         &self,
         wait: Option<Duration>,
@@ -339,7 +339,7 @@ impl Listener {
     /// and starts the prefill side.
     ///
     /// # Errors
-    /// [`EngineError::WireIo`] when accepting fails or nobody connects in time.
+    /// [`WireError::Io`] when accepting fails or nobody connects in time.
     pub fn accept_prefill(
         &self,
         wait: Option<Duration>,
@@ -351,12 +351,14 @@ impl Listener {
     /// Accepts one connection within `wait`.
     ///
     /// # Errors
-    /// [`EngineError::WireIo`] when accepting fails or nobody connects in time.
+    /// [`WireError::Io`] when accepting fails or nobody connects in time.
     pub fn accept(&self, wait: Option<Duration>) -> Result<TcpStream, EngineError> {
-        let err = |op, source| EngineError::WireIo {
-            peer: format!("listener {}", self.local),
-            op,
-            source,
+        let err = |op, source| {
+            EngineError::from(WireError::Io {
+                peer: format!("listener {}", self.local),
+                op,
+                source,
+            })
         };
         let Some(wait) = wait else {
             return self
@@ -409,10 +411,12 @@ fn open<In: Inbox>(stream: TcpStream, opts: &TcpOptions) -> Result<End<In>, Engi
         Ok(a) => format!("{}@{a}", In::PEER_ROLE),
         Err(_) => In::PEER_ROLE.to_string(),
     };
-    let err = |op, source| EngineError::WireIo {
-        peer: peer.clone(),
-        op,
-        source,
+    let err = |op, source| {
+        EngineError::from(WireError::Io {
+            peer: peer.clone(),
+            op,
+            source,
+        })
     };
     stream
         .set_nodelay(true)
@@ -557,9 +561,9 @@ impl<In: Inbox> Reader<In> {
         let _ = self.replies.send(Outgoing::Close);
     }
 
-    fn describe_break(&self, e: &EngineError) -> String {
+    fn describe_break(&self, e: &WireError) -> String {
         match e {
-            EngineError::WireIo { source, .. }
+            WireError::Io { source, .. }
                 if matches!(
                     source.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
@@ -570,7 +574,7 @@ impl<In: Inbox> Reader<In> {
                     self.peer, self.peer_timeout
                 )
             }
-            EngineError::WireIo { source, .. } => {
+            WireError::Io { source, .. } => {
                 format!("connection with {} failed: {source}", self.peer)
             }
             e => format!("frame from {} breaks the stream: {e}", self.peer),
@@ -579,7 +583,7 @@ impl<In: Inbox> Reader<In> {
 
     /// Handles a frame skipped whole: logs it and aborts its request on
     /// both sides. `Err` when the link cannot go on.
-    fn frame_fault(&self, e: &EngineError) -> Result<(), String> {
+    fn frame_fault(&self, e: &WireError) -> Result<(), String> {
         let (msg_type, request) = wire::frame_fault_subject(e).unwrap_or((u8::MAX, None));
         let type_name = wire::type_name(msg_type);
         tracing::warn!(

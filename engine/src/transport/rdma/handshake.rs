@@ -18,8 +18,8 @@ use std::net::TcpStream;
 
 use kvsan_kernels::attention::KvGeometry;
 
+use super::RdmaError;
 use super::verbs::QpEndpoint;
-use crate::EngineError;
 
 const MAGIC: &[u8; 9] = b"KVSANRDMA";
 const VERSION: u16 = 1;
@@ -83,7 +83,7 @@ pub(crate) fn exchange(
     stream: &mut TcpStream,
     peer: &str,
     mine: &Hello,
-) -> Result<Hello, EngineError> {
+) -> Result<Hello, RdmaError> {
     stream
         .write_all(&mine.encode())
         .map_err(|e| side_err(peer, "send connection data", e))?;
@@ -168,7 +168,7 @@ pub(crate) fn exchange(
 }
 
 /// Tells the peer this side's queue pair is ready, and waits for the peer's.
-pub(crate) fn ready(stream: &mut TcpStream, peer: &str) -> Result<(), EngineError> {
+pub(crate) fn ready(stream: &mut TcpStream, peer: &str) -> Result<(), RdmaError> {
     stream
         .write_all(&[READY])
         .map_err(|e| side_err(peer, "send ready", e))?;
@@ -185,16 +185,16 @@ pub(crate) fn ready(stream: &mut TcpStream, peer: &str) -> Result<(), EngineErro
     Ok(())
 }
 
-fn side_err(peer: &str, op: &'static str, source: std::io::Error) -> EngineError {
-    EngineError::RdmaSideChannel {
+fn side_err(peer: &str, op: &'static str, source: std::io::Error) -> RdmaError {
+    RdmaError::SideChannel {
         peer: peer.to_string(),
         op,
         source,
     }
 }
 
-fn protocol(peer: &str, what: String) -> EngineError {
-    EngineError::RdmaProtocol {
+fn protocol(peer: &str, what: String) -> RdmaError {
+    RdmaError::Protocol {
         peer: peer.to_string(),
         what,
     }

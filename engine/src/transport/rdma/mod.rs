@@ -37,6 +37,7 @@
 //! the wrong length) is refused before anything is written; the link stays
 //! up. A failed work request breaks the link for good.
 
+mod error;
 mod handshake;
 mod verbs;
 
@@ -49,6 +50,7 @@ use std::time::Duration;
 use crossbeam_channel::Sender;
 use kvsan_sanitizer::{Manifest, PageId};
 
+pub use error::RdmaError;
 pub use verbs::{RdmaConfig, RdmaDevice, RegisteredPool, rdma_devices};
 
 use self::handshake::{Hello, RemotePool};
@@ -57,7 +59,6 @@ use super::wire::{self, WireLimits};
 use super::{
     Inbound, KvPayload, KvTransfer, Link, LinkDown, ToDecode, ToPrefill, kv_payload_len, kv_slices,
 };
-use crate::EngineError;
 use crate::request::{ErrorKind, RequestError};
 
 /// Bytes of one SEND (one receive slot): a flag byte, then up to 4095 bytes
@@ -111,8 +112,8 @@ fn peer_name(stream: &TcpStream) -> String {
         .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string())
 }
 
-fn side_err(peer: &str, op: &'static str, source: std::io::Error) -> EngineError {
-    EngineError::RdmaSideChannel {
+fn side_err(peer: &str, op: &'static str, source: std::io::Error) -> RdmaError {
+    RdmaError::SideChannel {
         peer: peer.to_string(),
         op,
         source,
@@ -146,14 +147,14 @@ impl RdmaDecodeEndpoint {
     /// link breaks, but no memory is touched.
     ///
     /// # Errors
-    /// [`EngineError::Rdma`] when a verbs call fails,
-    /// [`EngineError::RdmaSideChannel`] / [`EngineError::RdmaProtocol`] when
+    /// [`RdmaError::Verbs`] when a verbs call fails,
+    /// [`RdmaError::SideChannel`] / [`RdmaError::Protocol`] when
     /// the handshake fails.
     pub fn handshake(
         mut stream: TcpStream,
         pool: &RegisteredPool,
         inbox: Sender<Inbound<ToDecode>>,
-    ) -> Result<RdmaDecodeEndpoint, EngineError> {
+    ) -> Result<RdmaDecodeEndpoint, RdmaError> {
         let peer = peer_name(&stream);
         let device = pool.device();
         let mut qp = QueuePairRc::new(device, 1, RECV_DEPTH)?;
@@ -176,7 +177,7 @@ impl RdmaDecodeEndpoint {
             },
         };
         let Hello::Prefill { qp: theirs } = handshake::exchange(&mut stream, &peer, &mine)? else {
-            return Err(EngineError::RdmaProtocol {
+            return Err(RdmaError::Protocol {
                 peer,
                 what: "the peer answered as a decode node".into(),
             });
@@ -477,20 +478,20 @@ impl RdmaPrefillEndpoint {
     /// orders to `inbox`.
     ///
     /// # Errors
-    /// [`EngineError::Rdma`] when a verbs call fails,
-    /// [`EngineError::RdmaSideChannel`] / [`EngineError::RdmaProtocol`] when
+    /// [`RdmaError::Verbs`] when a verbs call fails,
+    /// [`RdmaError::SideChannel`] / [`RdmaError::Protocol`] when
     /// the handshake fails.
     pub fn handshake(
         mut stream: TcpStream,
         device: &Arc<RdmaDevice>,
         inbox: Sender<Inbound<ToPrefill>>,
-    ) -> Result<RdmaPrefillEndpoint, EngineError> {
+    ) -> Result<RdmaPrefillEndpoint, RdmaError> {
         let peer = peer_name(&stream);
         let mut qp = QueuePairRc::new(device, SEND_DEPTH, 1)?;
         let mine = Hello::Prefill { qp: qp.endpoint() };
         let Hello::Decode { qp: theirs, pool } = handshake::exchange(&mut stream, &peer, &mine)?
         else {
-            return Err(EngineError::RdmaProtocol {
+            return Err(RdmaError::Protocol {
                 peer,
                 what: "the peer answered as a prefill node".into(),
             });
@@ -603,7 +604,7 @@ impl Link<ToDecode> for RdmaPrefillEndpoint {
 
 impl PrefillSender {
     /// Copies the payload into the staging buffer, growing it if needed.
-    fn stage(&mut self, bytes: &[u8]) -> Result<(), EngineError> {
+    fn stage(&mut self, bytes: &[u8]) -> Result<(), RdmaError> {
         if self.staging.len() < bytes.len() {
             let len = bytes.len().max(self.staging.len() * 2);
             self.staging = RegisteredBuffer::new(&self.device, len)?;

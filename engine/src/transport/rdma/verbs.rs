@@ -25,7 +25,7 @@ use sideway::ibverbs::queue_pair::{
     SetScatterGatherEntry, WorkRequestFlags,
 };
 
-use crate::EngineError;
+use super::RdmaError;
 use crate::kv_pool::KvPool;
 
 /// Which device, port and GID an RDMA link uses.
@@ -53,9 +53,9 @@ impl Default for RdmaConfig {
 /// The RDMA devices present, by name.
 ///
 /// # Errors
-/// [`EngineError::Rdma`] when the device list cannot be read: libibverbs is
+/// [`RdmaError::Verbs`] when the device list cannot be read: libibverbs is
 /// not installed, or the kernel has no RDMA support (`ENOSYS`).
-pub fn rdma_devices() -> Result<Vec<String>, EngineError> {
+pub fn rdma_devices() -> Result<Vec<String>, RdmaError> {
     let list = DeviceList::new().map_err(|e| rdma_err("list devices", "-", e))?;
     Ok(list.iter().map(|d| d.name()).collect())
 }
@@ -93,18 +93,18 @@ impl RdmaDevice {
     /// protection domain.
     ///
     /// # Errors
-    /// [`EngineError::Rdma`] when a verbs call fails (no libibverbs, no
-    /// kernel support), [`EngineError::RdmaNoDevice`] when there is no such
-    /// device, [`EngineError::RdmaProtocol`] when the port is not active or has
+    /// [`RdmaError::Verbs`] when a verbs call fails (no libibverbs, no
+    /// kernel support), [`RdmaError::NoDevice`] when there is no such
+    /// device, [`RdmaError::Protocol`] when the port is not active or has
     /// no usable GID.
-    pub fn open(config: &RdmaConfig) -> Result<Arc<RdmaDevice>, EngineError> {
+    pub fn open(config: &RdmaConfig) -> Result<Arc<RdmaDevice>, RdmaError> {
         let list = DeviceList::new().map_err(|e| rdma_err("list devices", "-", e))?;
         let device = match &config.device {
             Some(want) => list.iter().find(|d| d.name() == *want),
             None => list.iter().next(),
         };
         let Some(device) = device else {
-            return Err(EngineError::RdmaNoDevice {
+            return Err(RdmaError::NoDevice {
                 wanted: config.device.clone(),
                 found: list.iter().map(|d| d.name()).collect(),
             });
@@ -120,7 +120,7 @@ impl RdmaDevice {
         let gid_index = match config.gid_index {
             Some(i) => i,
             None => pick_gid_index(&context, config.port, port_attr.gid_tbl_len(), link_layer)
-                .ok_or_else(|| EngineError::RdmaProtocol {
+                .ok_or_else(|| RdmaError::Protocol {
                     peer: name.clone(),
                     what: format!(
                         "port {} has no usable GID in its {} entries; set the GID index",
@@ -169,7 +169,7 @@ impl RdmaDevice {
         addr: *mut u8,
         len: usize,
         remote_write: bool,
-    ) -> Result<Arc<MemoryRegion>, EngineError> {
+    ) -> Result<Arc<MemoryRegion>, RdmaError> {
         let mut access = AccessFlags::LocalWrite;
         if remote_write {
             access |= AccessFlags::RemoteWrite;
@@ -249,9 +249,9 @@ impl RegisteredPool {
     /// Registers `pool`'s page storage on `device` for remote writes.
     ///
     /// # Errors
-    /// [`EngineError::Rdma`] when the registration fails (memory lock limit,
+    /// [`RdmaError::Verbs`] when the registration fails (memory lock limit,
     /// no device); the pool is dropped then.
-    pub fn register(device: &Arc<RdmaDevice>, mut pool: KvPool) -> Result<Self, EngineError> {
+    pub fn register(device: &Arc<RdmaDevice>, mut pool: KvPool) -> Result<Self, RdmaError> {
         let data = pool.data_mut();
         let len = std::mem::size_of_val(data);
         let addr = data.as_mut_ptr().cast::<u8>();
@@ -325,7 +325,7 @@ pub(crate) struct RegisteredBuffer {
 
 impl RegisteredBuffer {
     /// A zeroed buffer of `len` bytes, registered on `device`.
-    pub(crate) fn new(device: &RdmaDevice, len: usize) -> Result<Self, EngineError> {
+    pub(crate) fn new(device: &RdmaDevice, len: usize) -> Result<Self, RdmaError> {
         let mut buf = vec![0u8; len.max(1)].into_boxed_slice();
         // SAFETY: the boxed slice is one allocation that stays in place for
         // as long as `buf` lives; the struct drops the region first. Only
@@ -432,7 +432,7 @@ impl QueuePairRc {
         device: &Arc<RdmaDevice>,
         max_send_wr: u32,
         max_recv_wr: u32,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, RdmaError> {
         let name = device.name.as_str();
         let mut send_cq = device
             .context
@@ -491,7 +491,7 @@ impl QueuePairRc {
     }
 
     /// Connects to the peer's queue pair: INIT → RTR → RTS.
-    pub(crate) fn connect(&mut self, peer: &QpEndpoint) -> Result<(), EngineError> {
+    pub(crate) fn connect(&mut self, peer: &QpEndpoint) -> Result<(), RdmaError> {
         let name = self.device.name.clone();
         let mtu = mtu_from_code(peer.mtu.min(mtu_code(self.device.mtu)));
         let mut ah = AddressHandleAttribute::new();
@@ -553,7 +553,7 @@ impl QueuePairRc {
         buf: &RegisteredBuffer,
         offset: usize,
         len: u32,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), RdmaError> {
         debug_assert!(offset + len as usize <= buf.len());
         let (addr, lkey) = buf.sge(offset);
         let mut guard = self.qp.start_post_recv();
@@ -575,7 +575,7 @@ impl QueuePairRc {
     /// completes (or, for an unsignaled op, until a later signaled op of the
     /// same queue completes) or the queue pair is moved to the error state
     /// and drained, or dropped.
-    pub(crate) unsafe fn post_send(&mut self, ops: &[SendOp]) -> Result<(), EngineError> {
+    pub(crate) unsafe fn post_send(&mut self, ops: &[SendOp]) -> Result<(), RdmaError> {
         let mut guard = self.qp.start_post_send();
         for op in ops {
             let flags = if op.signaled {
@@ -598,12 +598,12 @@ impl QueuePairRc {
     }
 
     /// Appends the send queue's completions to `out` (does not wait).
-    pub(crate) fn poll_send(&self, out: &mut Vec<Completion>) -> Result<(), EngineError> {
+    pub(crate) fn poll_send(&self, out: &mut Vec<Completion>) -> Result<(), RdmaError> {
         poll(&self.send_cq, &self.device.name, out)
     }
 
     /// Appends the receive queue's completions to `out` (does not wait).
-    pub(crate) fn poll_recv(&self, out: &mut Vec<Completion>) -> Result<(), EngineError> {
+    pub(crate) fn poll_recv(&self, out: &mut Vec<Completion>) -> Result<(), RdmaError> {
         poll(&self.recv_cq, &self.device.name, out)
     }
 
@@ -646,7 +646,7 @@ fn poll(
     cq: &BasicCompletionQueue,
     device: &str,
     out: &mut Vec<Completion>,
-) -> Result<(), EngineError> {
+) -> Result<(), RdmaError> {
     use sideway::ibverbs::completion::PollCompletionQueueError;
     match cq.start_poll() {
         Ok(poller) => {
@@ -710,7 +710,7 @@ pub(crate) fn rdma_err(
     op: &'static str,
     device: &str,
     e: impl std::error::Error + Send + Sync + 'static,
-) -> EngineError {
+) -> RdmaError {
     let mut detail = e.to_string();
     let mut cause = e.source();
     while let Some(c) = cause {
@@ -718,7 +718,7 @@ pub(crate) fn rdma_err(
         detail.push_str(&c.to_string());
         cause = c.source();
     }
-    EngineError::Rdma {
+    RdmaError::Verbs {
         op,
         device: device.to_string(),
         detail,

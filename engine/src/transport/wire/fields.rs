@@ -1,9 +1,9 @@
 //! The payload's fields: a writer and a bounds-checked reader of the
 //! encodings the module doc lists.
 
+use super::WireError;
 use super::frame::malformed;
 use super::{FrameHeader, type_name};
-use crate::error::EngineError;
 use kvsan_sanitizer::{Owner, PageRef, RequestId, TenantId};
 
 /// Appends little-endian fields.
@@ -69,11 +69,11 @@ impl<'a> Take<'a> {
         }
     }
 
-    pub(super) fn err(&self, field: &'static str, what: String) -> EngineError {
+    pub(super) fn err(&self, field: &'static str, what: String) -> WireError {
         malformed(self.header, field, what)
     }
 
-    pub(super) fn bytes(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], EngineError> {
+    pub(super) fn bytes(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], WireError> {
         let left = self.buf.len() - self.pos;
         if n > left {
             return Err(self.err(
@@ -89,28 +89,28 @@ impl<'a> Take<'a> {
     pub(super) fn array<const N: usize>(
         &mut self,
         field: &'static str,
-    ) -> Result<[u8; N], EngineError> {
+    ) -> Result<[u8; N], WireError> {
         let s = self.bytes(N, field)?;
         let mut a = [0u8; N];
         a.copy_from_slice(s);
         Ok(a)
     }
 
-    pub(super) fn u8(&mut self, field: &'static str) -> Result<u8, EngineError> {
+    pub(super) fn u8(&mut self, field: &'static str) -> Result<u8, WireError> {
         Ok(self.array::<1>(field)?[0])
     }
-    pub(super) fn u32(&mut self, field: &'static str) -> Result<u32, EngineError> {
+    pub(super) fn u32(&mut self, field: &'static str) -> Result<u32, WireError> {
         Ok(u32::from_le_bytes(self.array(field)?))
     }
-    pub(super) fn u64(&mut self, field: &'static str) -> Result<u64, EngineError> {
+    pub(super) fn u64(&mut self, field: &'static str) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.array(field)?))
     }
-    pub(super) fn usize(&mut self, field: &'static str) -> Result<usize, EngineError> {
+    pub(super) fn usize(&mut self, field: &'static str) -> Result<usize, WireError> {
         let v = self.u64(field)?;
         usize::try_from(v)
             .map_err(|_| self.err(field, format!("{v} does not fit this machine's usize")))
     }
-    pub(super) fn f32(&mut self, field: &'static str) -> Result<f32, EngineError> {
+    pub(super) fn f32(&mut self, field: &'static str) -> Result<f32, WireError> {
         Ok(f32::from_bits(self.u32(field)?))
     }
 
@@ -120,7 +120,7 @@ impl<'a> Take<'a> {
         &mut self,
         item_bytes: usize,
         field: &'static str,
-    ) -> Result<usize, EngineError> {
+    ) -> Result<usize, WireError> {
         let n = self.u32(field)? as usize;
         let left = self.buf.len() - self.pos;
         if n.saturating_mul(item_bytes) > left {
@@ -134,7 +134,7 @@ impl<'a> Take<'a> {
         Ok(n)
     }
 
-    pub(super) fn str(&mut self, field: &'static str) -> Result<String, EngineError> {
+    pub(super) fn str(&mut self, field: &'static str) -> Result<String, WireError> {
         let n = self.count(1, field)?;
         let b = self.bytes(n, field)?;
         match std::str::from_utf8(b) {
@@ -150,7 +150,7 @@ impl<'a> Take<'a> {
         }
     }
 
-    pub(super) fn flag(&mut self, field: &'static str) -> Result<bool, EngineError> {
+    pub(super) fn flag(&mut self, field: &'static str) -> Result<bool, WireError> {
         match self.u8(field)? {
             0 => Ok(false),
             1 => Ok(true),
@@ -158,14 +158,14 @@ impl<'a> Take<'a> {
         }
     }
 
-    pub(super) fn owner(&mut self, field: &'static str) -> Result<Owner, EngineError> {
+    pub(super) fn owner(&mut self, field: &'static str) -> Result<Owner, WireError> {
         Ok(Owner {
             request: RequestId(self.u64(field)?),
             tenant: TenantId(self.u32(field)?),
         })
     }
 
-    pub(super) fn pages(&mut self, field: &'static str) -> Result<Vec<PageRef>, EngineError> {
+    pub(super) fn pages(&mut self, field: &'static str) -> Result<Vec<PageRef>, WireError> {
         let n = self.count(8, field)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -176,7 +176,7 @@ impl<'a> Take<'a> {
         Ok(v)
     }
 
-    pub(super) fn tokens(&mut self, field: &'static str) -> Result<Vec<u32>, EngineError> {
+    pub(super) fn tokens(&mut self, field: &'static str) -> Result<Vec<u32>, WireError> {
         let n = self.count(4, field)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -185,7 +185,7 @@ impl<'a> Take<'a> {
         Ok(v)
     }
 
-    pub(super) fn finish(self) -> Result<(), EngineError> {
+    pub(super) fn finish(self) -> Result<(), WireError> {
         let left = self.buf.len() - self.pos;
         if left != 0 {
             return Err(self.err(
@@ -197,7 +197,7 @@ impl<'a> Take<'a> {
     }
 }
 
-pub(super) fn no_bulk(header: &FrameHeader, bulk: Option<&Vec<u8>>) -> Result<(), EngineError> {
+pub(super) fn no_bulk(header: &FrameHeader, bulk: Option<&Vec<u8>>) -> Result<(), WireError> {
     match bulk {
         None => Ok(()),
         Some(b) => Err(malformed(

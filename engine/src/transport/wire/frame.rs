@@ -1,11 +1,11 @@
 //! Frames on a byte stream: writing a message's header and payload, and
 //! reading one back with every length bounded and every checksum checked.
 
+use super::WireError;
 use super::{
     FLAG_BULK, FLAG_REQUEST, FrameHeader, HEADER_LEN, KNOWN_FLAGS, MAGIC, SUPPORTED_VERSIONS,
     TYPE_HEARTBEAT, VERSION, WireLimits, WireMessage,
 };
-use crate::error::EngineError;
 use kvsan_sanitizer::RequestId;
 use std::io::{self, Read, Write};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
@@ -14,9 +14,9 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 /// which the caller writes after it, straight from the message.
 ///
 /// # Errors
-/// [`EngineError::WireFrameTooLarge`] when the payload exceeds what the
+/// [`WireError::FrameTooLarge`] when the payload exceeds what the
 /// `u32` length field can say.
-pub fn frame_head<M: WireMessage>(msg: &M) -> Result<Vec<u8>, EngineError> {
+pub fn frame_head<M: WireMessage>(msg: &M) -> Result<Vec<u8>, WireError> {
     let bulk = msg.bulk();
     let mut out = vec![0u8; HEADER_LEN];
     if bulk.is_some() {
@@ -37,7 +37,7 @@ pub fn frame_head<M: WireMessage>(msg: &M) -> Result<Vec<u8>, EngineError> {
         hasher.update(&out[HEADER_LEN..]);
     }
     let len = (out.len() - HEADER_LEN) as u64 + bulk.map_or(0, |b| b.len() as u64);
-    let len = u32::try_from(len).map_err(|_| EngineError::WireFrameTooLarge {
+    let len = u32::try_from(len).map_err(|_| WireError::FrameTooLarge {
         msg_type: msg.msg_type(),
         len,
         limit: u64::from(u32::MAX),
@@ -88,7 +88,7 @@ fn header_checksum(first_28: &[u8]) -> u32 {
 ///
 /// # Errors
 /// As [`frame_head`].
-pub fn encode<M: WireMessage>(msg: &M) -> Result<Vec<u8>, EngineError> {
+pub fn encode<M: WireMessage>(msg: &M) -> Result<Vec<u8>, WireError> {
     let mut out = frame_head(msg)?;
     if let Some(b) = msg.bulk() {
         out.extend_from_slice(b);
@@ -100,10 +100,10 @@ pub fn encode<M: WireMessage>(msg: &M) -> Result<Vec<u8>, EngineError> {
 /// straight from the message. Does not flush.
 ///
 /// # Errors
-/// As [`frame_head`]; [`EngineError::WireIo`] when writing fails.
-pub fn write_frame<M: WireMessage, W: Write>(w: &mut W, msg: &M) -> Result<(), EngineError> {
+/// As [`frame_head`]; [`WireError::Io`] when writing fails.
+pub fn write_frame<M: WireMessage, W: Write>(w: &mut W, msg: &M) -> Result<(), WireError> {
     let head = frame_head(msg)?;
-    let io = |source| EngineError::WireIo {
+    let io = |source| WireError::Io {
         peer: "peer".into(),
         op: "write",
         source,
@@ -122,17 +122,17 @@ pub fn write_frame<M: WireMessage, W: Write>(w: &mut W, msg: &M) -> Result<(), E
 /// Returns `Ok(None)` when the stream ends cleanly between frames.
 ///
 /// # Errors
-/// - Framing is lost, the stream must be closed: [`EngineError::WireBadMagic`],
-///   [`EngineError::WireUnsupportedVersion`], [`EngineError::WireBadHeader`],
-///   [`EngineError::WireFrameTooLarge`], [`EngineError::WireTruncated`],
-///   [`EngineError::WireIo`].
+/// - Framing is lost, the stream must be closed: [`WireError::BadMagic`],
+///   [`WireError::UnsupportedVersion`], [`WireError::BadHeader`],
+///   [`WireError::FrameTooLarge`], [`WireError::Truncated`],
+///   [`WireError::Io`].
 /// - The frame was skipped whole and the stream is still in step
-///   ([`frame_fault_keeps_stream`] is true): [`EngineError::WireChecksumMismatch`],
-///   [`EngineError::WireUnknownMessageType`], [`EngineError::WireMalformed`].
+///   ([`frame_fault_keeps_stream`] is true): [`WireError::ChecksumMismatch`],
+///   [`WireError::UnknownMessageType`], [`WireError::Malformed`].
 pub fn read_frame<M: WireMessage, R: Read>(
     r: &mut R,
     limits: &WireLimits,
-) -> Result<Option<M>, EngineError> {
+) -> Result<Option<M>, WireError> {
     loop {
         let Some(header) = read_header(r, limits)? else {
             return Ok(None);
@@ -140,7 +140,7 @@ pub fn read_frame<M: WireMessage, R: Read>(
         let (fields, bulk) = read_payload(r, &header)?;
         if header.msg_type == TYPE_HEARTBEAT {
             if header.len != 0 || header.flags != 0 {
-                return Err(EngineError::WireMalformed {
+                return Err(WireError::Malformed {
                     msg_type: TYPE_HEARTBEAT,
                     request: header.request,
                     field: "payload",
@@ -153,7 +153,7 @@ pub fn read_frame<M: WireMessage, R: Read>(
             continue;
         }
         if !M::accepts(header.msg_type) {
-            return Err(EngineError::WireUnknownMessageType {
+            return Err(WireError::UnknownMessageType {
                 msg_type: header.msg_type,
                 request: header.request,
                 direction: M::DIRECTION,
@@ -180,35 +180,35 @@ pub fn read_frame<M: WireMessage, R: Read>(
 /// skipped whole, so the stream is still in step and reading can go on.
 /// False for every error that loses framing or the connection.
 #[must_use]
-pub fn frame_fault_keeps_stream(err: &EngineError) -> bool {
+pub fn frame_fault_keeps_stream(err: &WireError) -> bool {
     matches!(
         err,
-        EngineError::WireChecksumMismatch { .. }
-            | EngineError::WireUnknownMessageType { .. }
-            | EngineError::WireMalformed { .. }
+        WireError::ChecksumMismatch { .. }
+            | WireError::UnknownMessageType { .. }
+            | WireError::Malformed { .. }
     )
 }
 
 /// The message type and request a per-frame fault concerns
 /// (see [`frame_fault_keeps_stream`]); `None` for other errors.
 #[must_use]
-pub fn frame_fault_subject(err: &EngineError) -> Option<(u8, Option<RequestId>)> {
+pub fn frame_fault_subject(err: &WireError) -> Option<(u8, Option<RequestId>)> {
     match err {
-        EngineError::WireChecksumMismatch {
+        WireError::ChecksumMismatch {
             msg_type, request, ..
         }
-        | EngineError::WireUnknownMessageType {
+        | WireError::UnknownMessageType {
             msg_type, request, ..
         }
-        | EngineError::WireMalformed {
+        | WireError::Malformed {
             msg_type, request, ..
         } => Some((*msg_type, *request)),
         _ => None,
     }
 }
 
-fn io_err(op: &'static str, source: io::Error) -> EngineError {
-    EngineError::WireIo {
+fn io_err(op: &'static str, source: io::Error) -> WireError {
+    WireError::Io {
         peer: "peer".into(),
         op,
         source,
@@ -216,7 +216,7 @@ fn io_err(op: &'static str, source: io::Error) -> EngineError {
 }
 
 /// Reads until `buf` is full or the stream ends; returns the bytes read.
-fn read_full<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<usize, EngineError> {
+fn read_full<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<usize, WireError> {
     let mut got = 0;
     while got < buf.len() {
         match r.read(&mut buf[got..]) {
@@ -236,7 +236,7 @@ fn read_full<R: Read>(r: &mut R, buf: &mut [u8]) -> Result<usize, EngineError> {
 pub fn read_header<R: Read>(
     r: &mut R,
     limits: &WireLimits,
-) -> Result<Option<FrameHeader>, EngineError> {
+) -> Result<Option<FrameHeader>, WireError> {
     let mut h = [0u8; HEADER_LEN];
     // The magic first, on its own: a peer of another protocol that sends
     // less than a header is refused at once, not after a read timeout.
@@ -247,13 +247,13 @@ pub fn read_header<R: Read>(
     if h[..got] != MAGIC[..got] {
         let mut found = [0u8; 4];
         found[..got].copy_from_slice(&h[..got]);
-        return Err(EngineError::WireBadMagic { found });
+        return Err(WireError::BadMagic { found });
     }
     if got == 4 {
         got += read_full(r, &mut h[4..])?;
     }
     if got < HEADER_LEN {
-        return Err(EngineError::WireTruncated {
+        return Err(WireError::Truncated {
             part: "header",
             got: got as u64,
             needed: HEADER_LEN as u64,
@@ -261,7 +261,7 @@ pub fn read_header<R: Read>(
     }
     let version = u16::from_le_bytes([h[4], h[5]]);
     if !SUPPORTED_VERSIONS.contains(&version) {
-        return Err(EngineError::WireUnsupportedVersion {
+        return Err(WireError::UnsupportedVersion {
             version,
             supported: SUPPORTED_VERSIONS,
         });
@@ -269,14 +269,14 @@ pub fn read_header<R: Read>(
     let stored = u32::from_le_bytes([h[28], h[29], h[30], h[31]]);
     let actual = header_checksum(&h[..28]);
     if stored != actual {
-        return Err(EngineError::WireBadHeader {
+        return Err(WireError::BadHeader {
             what: format!("header checksum is {stored:#010x}, the header hashes to {actual:#010x}"),
         });
     }
     let msg_type = h[6];
     let flags = h[7];
     if flags & !KNOWN_FLAGS != 0 {
-        return Err(EngineError::WireBadHeader {
+        return Err(WireError::BadHeader {
             what: format!(
                 "flags {flags:#04x} set bits no version defines (known: {KNOWN_FLAGS:#04x})"
             ),
@@ -284,7 +284,7 @@ pub fn read_header<R: Read>(
     }
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     if u64::from(len) > limits.max_frame as u64 {
-        return Err(EngineError::WireFrameTooLarge {
+        return Err(WireError::FrameTooLarge {
             msg_type,
             len: u64::from(len),
             limit: limits.max_frame as u64,
@@ -309,7 +309,7 @@ fn read_vec<R: Read>(
     n: usize,
     done: usize,
     header: &FrameHeader,
-) -> Result<Vec<u8>, EngineError> {
+) -> Result<Vec<u8>, WireError> {
     let mut v = Vec::with_capacity(n);
     let got = loop {
         match r.by_ref().take(n as u64).read_to_end(&mut v) {
@@ -319,7 +319,7 @@ fn read_vec<R: Read>(
         }
     };
     if got < n {
-        return Err(EngineError::WireTruncated {
+        return Err(WireError::Truncated {
             part: "payload",
             got: (done + got) as u64,
             needed: u64::from(header.len),
@@ -333,7 +333,7 @@ fn read_vec<R: Read>(
 fn read_payload<R: Read>(
     r: &mut R,
     header: &FrameHeader,
-) -> Result<(Vec<u8>, Option<Vec<u8>>), EngineError> {
+) -> Result<(Vec<u8>, Option<Vec<u8>>), WireError> {
     let len = header.len as usize;
     let mut hasher = Xxh3::new();
     let mut bad_split = None;
@@ -341,7 +341,7 @@ fn read_payload<R: Read>(
         let mut n = [0u8; 4];
         let got = read_full(r, &mut n)?;
         if got < 4 {
-            return Err(EngineError::WireTruncated {
+            return Err(WireError::Truncated {
                 part: "payload",
                 got: got as u64,
                 needed: u64::from(header.len),
@@ -373,7 +373,7 @@ fn read_payload<R: Read>(
     };
     let actual = hasher.digest();
     if actual != header.checksum {
-        return Err(EngineError::WireChecksumMismatch {
+        return Err(WireError::ChecksumMismatch {
             msg_type: header.msg_type,
             request: header.request,
             expected: header.checksum,
@@ -386,8 +386,8 @@ fn read_payload<R: Read>(
     Ok((fields, bulk))
 }
 
-pub(super) fn malformed(header: &FrameHeader, field: &'static str, what: String) -> EngineError {
-    EngineError::WireMalformed {
+pub(super) fn malformed(header: &FrameHeader, field: &'static str, what: String) -> WireError {
+    WireError::Malformed {
         msg_type: header.msg_type,
         request: header.request,
         field,

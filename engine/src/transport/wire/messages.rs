@@ -1,11 +1,11 @@
 //! The messages' fields, type by type: [`ToPrefill`] and [`ToDecode`].
 
+use super::WireError;
 use super::fields::{Put, Take, no_bulk};
 use super::{
     FrameHeader, TYPE_CANCEL, TYPE_HELLO, TYPE_KV, TYPE_PREFILL, TYPE_PREFILL_DONE,
     TYPE_PREFILL_FAILED, WireLimits, WireMessage,
 };
-use crate::error::EngineError;
 use crate::request::{ErrorKind, Rejection, RequestError};
 use crate::sampler::SamplingParams;
 use crate::transport::{KvPayload, KvTransfer, NodeInfo, PrefillOrder, ToDecode, ToPrefill};
@@ -59,7 +59,7 @@ impl WireMessage for ToPrefill {
         fields: &[u8],
         bulk: Option<Vec<u8>>,
         _limits: &WireLimits,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, WireError> {
         no_bulk(header, bulk.as_ref())?;
         let mut t = Take::new(fields, header);
         let msg = match header.msg_type {
@@ -217,7 +217,7 @@ impl WireMessage for ToDecode {
         fields: &[u8],
         bulk: Option<Vec<u8>>,
         limits: &WireLimits,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, WireError> {
         let mut t = Take::new(fields, header);
         let msg = match header.msg_type {
             TYPE_HELLO => {

@@ -69,12 +69,13 @@
 use kvsan_sanitizer::RequestId;
 
 use super::{ToDecode, ToPrefill};
-use crate::error::EngineError;
 
+mod error;
 mod fields;
 mod frame;
 mod messages;
 
+pub use error::WireError;
 pub use frame::{
     encode, frame_fault_keeps_stream, frame_fault_subject, frame_head, heartbeat_frame, read_frame,
     read_header, write_frame,
@@ -196,11 +197,11 @@ pub trait WireMessage: sealed::Sealed + Sized + Send + 'static {
     /// Decodes a message from a frame whose checksum was verified.
     ///
     /// # Errors
-    /// [`EngineError::WireMalformed`] naming the field that cannot be decoded.
+    /// [`WireError::Malformed`] naming the field that cannot be decoded.
     fn decode(
         header: &FrameHeader,
         fields: &[u8],
         bulk: Option<Vec<u8>>,
         limits: &WireLimits,
-    ) -> Result<Self, EngineError>;
+    ) -> Result<Self, WireError>;
 }
