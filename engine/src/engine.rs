@@ -250,7 +250,7 @@ impl Engine {
         let pt = spawn("kvsan-prefill", move || {
             prefill.serve(&to_decode, &prefill_inbox, &prx);
         })?;
-        let (dtx, dt) = spawn_decode(dcore, cfg, context)?;
+        let (dtx, dt) = spawn_decode(dcore, cfg, context, |node| node)?;
         let engine = Engine::with(dtx, Some(ptx), vec![pt, dt]);
         engine.attach_prefill(Box::new(pair.to_prefill), pair.decode_inbox);
         Ok(engine)
@@ -265,8 +265,66 @@ impl Engine {
         let context = cfg.context(&model)?;
         let dpages = cfg.pages(cfg.decode_pool_tokens, context, "decode")?;
         let dcore = cfg.node(model, dpages, NodeRole::Decode, "decode")?;
-        let (dtx, dt) = spawn_decode(dcore, cfg, context)?;
+        let (dtx, dt) = spawn_decode(dcore, cfg, context, |node| node)?;
         Ok(Engine::with(dtx, None, vec![dt]))
+    }
+
+    /// A decode node alone whose pool is registered on `device` for RDMA
+    /// WRITEs for as long as the node runs, waiting for prefill nodes
+    /// attached with [`Engine::attach_rdma_prefill`]. Returns the engine
+    /// and the registered region each link's handshake offers.
+    ///
+    /// # Errors
+    /// As [`Engine::unified`]; [`RdmaError::Verbs`](crate::transport::rdma::RdmaError::Verbs) when the pool cannot
+    /// be registered (memory lock limit).
+    #[cfg(feature = "rdma")]
+    pub fn decode_only_rdma(
+        model: Arc<Model>,
+        cfg: &EngineConfig,
+        device: &Arc<crate::transport::rdma::RdmaDevice>,
+    ) -> Result<(Engine, crate::transport::rdma::PoolRegion), EngineError> {
+        use crate::transport::rdma::PoolRegistration;
+        let context = cfg.context(&model)?;
+        let dpages = cfg.pages(cfg.decode_pool_tokens, context, "decode")?;
+        let mut dcore = cfg.node(model, dpages, NodeRole::Decode, "decode")?;
+        // SAFETY: the registration goes to the decode node that owns this
+        // core, in its field declared before the core, so it is dropped
+        // before the pool (also when the node's thread unwinds). A node
+        // never replaces its core's pool, and moving the core (into the
+        // node, onto its thread) moves the pool's handle, not the storage
+        // it allocated once. Prefill writes only into pages this node
+        // reserved for the transfer, read after its completion message.
+        let registration = unsafe { PoolRegistration::new(device, &mut dcore.pool) }?;
+        let region = registration.region();
+        let (dtx, dt) = spawn_decode(dcore, cfg, context, |node| {
+            node.with_registration(registration)
+        })?;
+        Ok((Engine::with(dtx, None, vec![dt]), region))
+    }
+
+    /// Runs the decode side of the RDMA handshake over `stream` (a prefill
+    /// node that connected to the side channel), offering `pool` — the
+    /// region [`Engine::decode_only_rdma`] returned — and attaches the link
+    /// as [`Engine::attach_prefill`] does. The decode node refuses a link
+    /// set up with another pool's region.
+    ///
+    /// # Errors
+    /// As [`RdmaDecodeEndpoint::handshake`](crate::transport::rdma::RdmaDecodeEndpoint::handshake).
+    #[cfg(feature = "rdma")]
+    pub fn attach_rdma_prefill(
+        &self,
+        stream: std::net::TcpStream,
+        pool: &crate::transport::rdma::PoolRegion,
+    ) -> Result<(), EngineError> {
+        let (tx, inbox) = unbounded();
+        let link = crate::transport::rdma::RdmaDecodeEndpoint::handshake(stream, pool, tx)?;
+        let landing = Some(link.landing_zone());
+        let _ = self.front.send(Command::AttachPrefill {
+            link: Box::new(link),
+            inbox,
+            landing,
+        });
+        Ok(())
     }
 
     fn with(
@@ -292,7 +350,11 @@ impl Engine {
         link: Box<dyn Link<ToPrefill>>,
         inbox: Receiver<Inbound<ToDecode>>,
     ) {
-        let _ = self.front.send(Command::AttachPrefill { link, inbox });
+        let _ = self.front.send(Command::AttachPrefill {
+            link,
+            inbox,
+            landing: None,
+        });
     }
 
     /// Submits a request; its events arrive on the handle.
@@ -358,14 +420,21 @@ impl Drop for Engine {
     }
 }
 
-/// Starts a decode node's thread; returns its command channel and thread.
+/// Starts a decode node's thread, the node made by `finish` from the plain
+/// one; returns its command channel and thread.
 fn spawn_decode(
     core: NodeCore,
     cfg: &EngineConfig,
     context: usize,
+    finish: impl FnOnce(DecodeNode) -> DecodeNode,
 ) -> Result<(Sender<Command>, JoinHandle<()>), EngineError> {
     let (tx, rx) = unbounded();
-    let decode = DecodeNode::new(core, Scheduler::new(cfg.scheduler), context, tx.clone());
+    let decode = finish(DecodeNode::new(
+        core,
+        Scheduler::new(cfg.scheduler),
+        context,
+        tx.clone(),
+    ));
     let thread = spawn("kvsan-decode", move || decode.run(rx))?;
     Ok((tx, thread))
 }

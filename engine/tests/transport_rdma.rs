@@ -99,7 +99,7 @@ fn loopback_kv_lands_in_the_decode_pool_byte_for_byte_and_messages_keep_their_or
     });
     let (decode_tx, decode_inbox) = unbounded();
     let (stream, _) = listener.accept().unwrap();
-    let decode = RdmaDecodeEndpoint::handshake(stream, &decode_pool, decode_tx).unwrap();
+    let decode = RdmaDecodeEndpoint::handshake(stream, &decode_pool.region(), decode_tx).unwrap();
     let prefill = prefill.join().unwrap().unwrap();
 
     // Decode → prefill on the side channel.

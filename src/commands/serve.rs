@@ -7,6 +7,13 @@
 //!  --role prefill                                   [prefill node] ┘   (--peer)
 //! ```
 //!
+//! Between decode and prefill, `--transport tcp` (the default) carries KV in
+//! wire frames; `--transport rdma` (a build with `--features rdma`) has the
+//! decode node register its pool with the NIC for its whole life, and the
+//! TCP connection on `--peer-listen` becomes the side channel of each
+//! link's handshake: prefill writes KV into the reserved pages with RDMA
+//! WRITEs and the manifest follows on the same queue pair.
+//!
 //! The decode role accepts prefill nodes on `--peer-listen` for as long as it
 //! runs: each new connection replaces the previous link, so a restarted
 //! prefill process is picked up. The prefill role connects to `--peer`,
@@ -56,6 +63,17 @@ impl Role {
     }
 }
 
+/// How KV travels between a decode and a prefill process.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// KV bytes in wire frames over the TCP connection.
+    #[default]
+    Tcp,
+    /// RDMA WRITEs into the decode node's registered pool; the TCP
+    /// connection is the side channel (needs a build with `--features rdma`).
+    Rdma,
+}
+
 /// Arguments of `kvsan serve`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -84,6 +102,17 @@ pub struct Args {
     /// The decode node's `--peer-listen` address (role prefill).
     #[arg(long)]
     pub peer: Option<String>,
+    /// How KV travels between decode and prefill (roles decode, prefill;
+    /// default tcp).
+    #[arg(long, value_enum)]
+    pub transport: Option<Transport>,
+    /// RDMA device name, e.g. `mlx5_0` (with `--transport rdma`; default the first).
+    #[arg(long)]
+    pub rdma_device: Option<String>,
+    /// GID table index (with `--transport rdma`; default the first RoCE v2
+    /// GID on Ethernet, 0 on InfiniBand).
+    #[arg(long)]
+    pub rdma_gid_index: Option<u8>,
     /// How long the prefill role retries connecting to `--peer` before it
     /// gives up and exits with an error (at start and after a link drop).
     #[arg(long, default_value_t = 30)]
@@ -97,6 +126,8 @@ pub struct Args {
 /// prefill role, until the decode node stays unreachable).
 pub fn run(args: &Args) -> anyhow::Result<()> {
     check_flags(args)?;
+    // Before the model loads: a missing RDMA device is a start-up error.
+    let rdma = open_rdma(args)?;
     // Engine logs (link drops, refusals) go to stderr; `RUST_LOG` filters them.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -107,13 +138,69 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let (model, text) = load_model(args)?;
     let cfg = args.engine.config()?;
     stop_on_signals(cfg.hooks.clone())?;
-    let engine = match args.role {
-        Role::Prefill => return run_prefill(args, model, &cfg),
-        Role::Unified => Engine::unified(model, &cfg)?,
-        Role::Disagg => Engine::disaggregated(model, &cfg)?,
-        Role::Decode => Engine::decode_only(model, &cfg)?,
+    let (engine, peers) = match (args.role, rdma) {
+        (Role::Prefill, rdma) => return run_prefill(args, model, &cfg, rdma),
+        (Role::Unified, _) => (Engine::unified(model, &cfg)?, PeerTransport::Tcp),
+        (Role::Disagg, _) => (Engine::disaggregated(model, &cfg)?, PeerTransport::Tcp),
+        (Role::Decode, None) => (Engine::decode_only(model, &cfg)?, PeerTransport::Tcp),
+        #[cfg(feature = "rdma")]
+        (Role::Decode, Some(device)) => {
+            let (engine, region) = Engine::decode_only_rdma(model, &cfg, &device)
+                .context("--transport rdma: cannot register the decode pool")?;
+            (engine, PeerTransport::Rdma(region))
+        }
     };
-    run_front(args, engine, text)
+    run_front(args, engine, text, peers)
+}
+
+/// The RDMA device `--transport rdma` uses (`None` for TCP).
+#[cfg(feature = "rdma")]
+type RdmaDevice = Arc<kvsan_engine::transport::rdma::RdmaDevice>;
+/// A build without RDMA support opens no device: `open_rdma` refuses
+/// `--transport rdma` first.
+#[cfg(not(feature = "rdma"))]
+type RdmaDevice = std::convert::Infallible;
+
+/// Opens the RDMA device for `--transport rdma`; `None` for TCP.
+fn open_rdma(args: &Args) -> anyhow::Result<Option<RdmaDevice>> {
+    if args.transport == Some(Transport::Rdma) {
+        open_device(args).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+fn open_device(_: &Args) -> anyhow::Result<RdmaDevice> {
+    bail!(
+        "--transport rdma: this kvsan was built without RDMA support; rebuild with --features rdma"
+    )
+}
+
+#[cfg(feature = "rdma")]
+fn open_device(args: &Args) -> anyhow::Result<RdmaDevice> {
+    use kvsan_engine::transport::rdma::{RdmaConfig, RdmaDevice};
+    let config = RdmaConfig {
+        device: args.rdma_device.clone(),
+        gid_index: args.rdma_gid_index,
+        ..RdmaConfig::default()
+    };
+    let device = RdmaDevice::open(&config).with_context(|| {
+        format!(
+            "--transport rdma: cannot open the RDMA device {}",
+            config.device.as_deref().unwrap_or("(the first one)")
+        )
+    })?;
+    eprintln!("kvsan: RDMA device {device:?}");
+    Ok(device)
+}
+
+/// How the decode role takes prefill nodes on `--peer-listen`.
+enum PeerTransport {
+    Tcp,
+    /// The RDMA handshake, offering this registered pool.
+    #[cfg(feature = "rdma")]
+    Rdma(kvsan_engine::transport::rdma::PoolRegion),
 }
 
 /// SIGTERM or SIGINT stops the process cleanly: the sanitizer's summary
@@ -146,7 +233,7 @@ fn stop_on_signals(hooks: Hooks) -> anyhow::Result<()> {
 /// address is a mistake worth saying, not ignoring).
 fn check_flags(args: &Args) -> anyhow::Result<()> {
     let role = args.role;
-    let flags: [(&str, bool, &[Role]); 6] = [
+    let flags: [(&str, bool, &[Role]); 9] = [
         (
             "--listen",
             args.listen.is_some(),
@@ -169,6 +256,21 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
             args.engine.decode_pool_tokens.is_some(),
             &[Role::Decode, Role::Disagg],
         ),
+        (
+            "--transport",
+            args.transport.is_some(),
+            &[Role::Decode, Role::Prefill],
+        ),
+        (
+            "--rdma-device",
+            args.rdma_device.is_some(),
+            &[Role::Decode, Role::Prefill],
+        ),
+        (
+            "--rdma-gid-index",
+            args.rdma_gid_index.is_some(),
+            &[Role::Decode, Role::Prefill],
+        ),
     ];
     for (flag, given, roles) in flags {
         if given && !roles.contains(&role) {
@@ -179,6 +281,17 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
                 names.join("|")
             );
         }
+    }
+    let rdma_flag = [
+        ("--rdma-device", args.rdma_device.is_some()),
+        ("--rdma-gid-index", args.rdma_gid_index.is_some()),
+    ]
+    .into_iter()
+    .find(|(_, given)| *given);
+    if let Some((flag, _)) = rdma_flag
+        && args.transport != Some(Transport::Rdma)
+    {
+        bail!("{flag} is used only with --transport rdma");
     }
     let missing = match role {
         Role::Unified | Role::Disagg if args.listen.is_none() => Some("--listen"),
@@ -220,7 +333,12 @@ fn load_model(args: &Args) -> anyhow::Result<(Arc<Model>, Option<Arc<TextSide>>)
 
 /// Roles with a client interface (unified, decode, disagg): serve clients
 /// on `--listen`, and for decode accept prefill nodes on `--peer-listen`.
-fn run_front(args: &Args, engine: Engine, text: Option<Arc<TextSide>>) -> anyhow::Result<()> {
+fn run_front(
+    args: &Args,
+    engine: Engine,
+    text: Option<Arc<TextSide>>,
+    transport: PeerTransport,
+) -> anyhow::Result<()> {
     let engine = Arc::new(engine);
     let listen = args.listen.as_deref().expect("checked by check_flags");
     let clients = TcpListener::bind(listen)
@@ -236,7 +354,11 @@ fn run_front(args: &Args, engine: Engine, text: Option<Arc<TextSide>>) -> anyhow
         let engine = engine.clone();
         std::thread::Builder::new()
             .name("kvsan-peer-accept".into())
-            .spawn(move || accept_prefill_nodes(&peers, &engine))
+            .spawn(move || match transport {
+                PeerTransport::Tcp => accept_prefill_nodes(&peers, &engine),
+                #[cfg(feature = "rdma")]
+                PeerTransport::Rdma(region) => accept_rdma_prefill_nodes(&peers, &engine, &region),
+            })
             .context("cannot start the prefill accept thread")?;
     }
     eprintln!("{line}");
@@ -266,6 +388,33 @@ fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Engine) {
     }
 }
 
+/// As [`accept_prefill_nodes`], each connection the side channel of an RDMA
+/// link: the handshake offers the decode node's registered pool.
+#[cfg(feature = "rdma")]
+fn accept_rdma_prefill_nodes(
+    peers: &tcp::Listener,
+    engine: &Engine,
+    region: &kvsan_engine::transport::rdma::PoolRegion,
+) {
+    loop {
+        let stream = match peers.accept(None) {
+            Ok(stream) => stream,
+            Err(e) => {
+                eprintln!("kvsan: accepting a prefill node failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let peer = stream
+            .peer_addr()
+            .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
+        match engine.attach_rdma_prefill(stream, region) {
+            Ok(()) => eprintln!("kvsan: prefill node connected over RDMA ({peer})"),
+            Err(e) => eprintln!("kvsan: RDMA handshake with prefill node {peer} failed: {e}"),
+        }
+    }
+}
+
 /// A TCP link the prefill role keeps a handle on, to say why it dropped.
 struct SharedLink(Arc<TcpLink<ToDecode>>);
 
@@ -277,7 +426,18 @@ impl Link<ToDecode> for SharedLink {
 
 /// The prefill role: serve the decode node at `--peer`, reconnecting after
 /// each link drop, until it stays unreachable for `--peer-retry-secs`.
-fn run_prefill(args: &Args, model: Arc<Model>, cfg: &EngineConfig) -> anyhow::Result<()> {
+fn run_prefill(
+    args: &Args,
+    model: Arc<Model>,
+    cfg: &EngineConfig,
+    rdma: Option<RdmaDevice>,
+) -> anyhow::Result<()> {
+    #[cfg(feature = "rdma")]
+    if let Some(device) = rdma {
+        return run_prefill_rdma(args, model, cfg, &device);
+    }
+    #[cfg(not(feature = "rdma"))]
+    let None = rdma;
     let peer = args.peer.clone().expect("checked by check_flags");
     let retry = Duration::from_secs(args.peer_retry_secs);
     let opts = TcpOptions::default();
@@ -312,6 +472,50 @@ fn run_prefill(args: &Args, model: Arc<Model>, cfg: &EngineConfig) -> anyhow::Re
     match failure {
         Some(e) => Err(anyhow::Error::new(e).context(format!(
             "the decode node at {peer} could not be reached within {}s",
+            args.peer_retry_secs
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The prefill role over RDMA: as [`run_prefill`], each connection to
+/// `--peer` the side channel of the RDMA handshake on `device`.
+#[cfg(feature = "rdma")]
+fn run_prefill_rdma(
+    args: &Args,
+    model: Arc<Model>,
+    cfg: &EngineConfig,
+    device: &Arc<kvsan_engine::transport::rdma::RdmaDevice>,
+) -> anyhow::Result<()> {
+    use kvsan_engine::transport::rdma;
+    let peer = args.peer.clone().expect("checked by check_flags");
+    let retry = Duration::from_secs(args.peer_retry_secs);
+    eprintln!("kvsan: serving role=prefill peer={peer} transport=rdma");
+    let (control, inbox) = PrefillControl::new();
+    let mut failure: Option<kvsan_engine::EngineError> = None;
+    let mut connected = false;
+    let connect = || {
+        if connected {
+            eprintln!("kvsan: RDMA link to the decode node dropped; reconnecting");
+        }
+        match rdma::connect_prefill(peer.as_str(), retry, device) {
+            Ok((link, rx)) => {
+                eprintln!("kvsan: connected to the decode node at {peer} over RDMA");
+                connected = true;
+                let boxed: Box<dyn Link<ToDecode>> = Box::new(link);
+                Some((boxed, rx))
+            }
+            Err(e) => {
+                failure = Some(e);
+                None
+            }
+        }
+    };
+    serve_prefill(model, cfg, inbox, connect)?;
+    drop(control);
+    match failure {
+        Some(e) => Err(anyhow::Error::new(e).context(format!(
+            "the decode node at {peer} could not be reached over RDMA within {}s",
             args.peer_retry_secs
         ))),
         None => Ok(()),

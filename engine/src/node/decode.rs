@@ -24,8 +24,8 @@ use crate::node::sequence::Sequence;
 use crate::node::unified::{self, fail, fail_in_place, new_sequence};
 use crate::request::{ErrorKind, Event, Request, RequestError};
 use crate::transport::{
-    Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
-    kv_payload_len, kv_slices,
+    Inbound, KvPayload, KvTransfer, LandingZone, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill,
+    kv_checksum, kv_payload_len, kv_slices,
 };
 
 /// The token a rejected prompt is replaced by under `reject-as-placeholder`.
@@ -36,10 +36,22 @@ struct PrefillPeer {
     epoch: u64,
     link: Box<dyn Link<ToPrefill>>,
     info: Option<NodeInfo>,
+    /// The link was set up with this node's registered pool: prefill writes
+    /// KV straight into the pages (RDMA) and [`KvPayload::Landed`] is its
+    /// completion notice. On any other link a `Landed` is refused.
+    writes_land: bool,
 }
 
 /// The decode node's state.
 pub(crate) struct DecodeNode {
+    /// Feature `rdma`: the registration of `core.pool` with the NIC, for the
+    /// node's whole life. Declared before `core`: fields drop in declaration
+    /// order, so the pool is deregistered before its storage is freed (the
+    /// contract of [`PoolRegistration::new`](crate::transport::rdma::PoolRegistration::new)).
+    #[cfg(feature = "rdma")]
+    registration: Option<crate::transport::rdma::PoolRegistration>,
+    /// The registered range of this node's pool, if it is registered.
+    landing: Option<LandingZone>,
     core: NodeCore,
     sched: Scheduler,
     context: usize,
@@ -72,6 +84,9 @@ impl DecodeNode {
         tx: Sender<Command>,
     ) -> DecodeNode {
         DecodeNode {
+            #[cfg(feature = "rdma")]
+            registration: None,
+            landing: None,
             core,
             sched,
             context,
@@ -84,6 +99,19 @@ impl DecodeNode {
             left_for_cleanup: HashMap::new(),
             tx,
         }
+    }
+
+    /// A node whose pool `registration` registered with the NIC (it must
+    /// be the registration of this node's `core.pool`; the node keeps it
+    /// until it stops).
+    #[cfg(feature = "rdma")]
+    pub fn with_registration(
+        mut self,
+        registration: crate::transport::rdma::PoolRegistration,
+    ) -> DecodeNode {
+        self.landing = Some(registration.region().landing_zone());
+        self.registration = Some(registration);
+        self
     }
 
     fn idle(&self) -> bool {
@@ -134,7 +162,11 @@ impl DecodeNode {
                 s.waiting += self.reserve.len() + self.unchecked.len() + transferring;
                 let _ = tx.send(s);
             }
-            Command::AttachPrefill { link, inbox } => self.attach(link, inbox),
+            Command::AttachPrefill {
+                link,
+                inbox,
+                landing,
+            } => self.attach(link, inbox, landing),
             Command::FromPrefill { epoch, inbound } => {
                 if self.peer.as_ref().is_some_and(|p| p.epoch == epoch) {
                     self.on_prefill_message(inbound);
@@ -149,7 +181,27 @@ impl DecodeNode {
         true
     }
 
-    fn attach(&mut self, link: Box<dyn Link<ToPrefill>>, inbox: Receiver<Inbound<ToDecode>>) {
+    fn attach(
+        &mut self,
+        link: Box<dyn Link<ToPrefill>>,
+        inbox: Receiver<Inbound<ToDecode>>,
+        landing: Option<LandingZone>,
+    ) {
+        let writes_land = match landing {
+            None => false,
+            Some(zone) if Some(zone) == self.landing => true,
+            Some(zone) => {
+                // Its peer writes into a range this node does not read:
+                // nothing it announces as landed would be here.
+                tracing::error!(
+                    node = %self.core.name,
+                    offered = ?zone,
+                    registered = ?self.landing,
+                    "an RDMA link set up with another pool's registration; link refused"
+                );
+                return;
+            }
+        };
         if self.peer.is_some() {
             self.fail_waiting_for_prefill("the prefill link was replaced");
         }
@@ -177,6 +229,7 @@ impl DecodeNode {
             epoch,
             link,
             info: None,
+            writes_land,
         });
     }
 
@@ -373,7 +426,26 @@ impl DecodeNode {
         }
     }
 
-    /// KV bytes landing in a request's reserved pages.
+    /// KV landing in a request's reserved pages: bytes this node writes
+    /// ([`KvPayload::Bytes`]), or the completion notice of RDMA WRITEs that
+    /// put them there already ([`KvPayload::Landed`]).
+    ///
+    /// Both go through the same checks — the manifest names the request's
+    /// own reserved pages and fits them, the checksum matches the bytes, the
+    /// `transfer_recv` hook accepts the manifest — and the same commit; a
+    /// `Landed` transfer skips only the copy. What the sanitizer can and
+    /// cannot see on the RDMA path: the hook checks the manifest at the
+    /// completion, after the NIC wrote, not each write as it happens. The
+    /// pages written were the ones prefill's endpoint planned from this same
+    /// manifest (`plan_writes` refuses one that leaves the registered pool,
+    /// so no write lands outside it); the checksum is computed over what
+    /// landed in the manifest's slots; a transfer whose manifest is refused
+    /// here aborts its request, and its slots are never recorded as written.
+    /// A write that strays outside its manifest's slots (a bug in the
+    /// sender's planning, or another process holding the remote key) is not
+    /// seen.
+    /// `Landed` is believed only on a link set up with this node's
+    /// registered pool; on any other (a forged TCP frame) it is refused.
     fn receive(&mut self, transfer: KvTransfer) {
         let KvTransfer { manifest, payload } = transfer;
         let id = manifest.request.request;
@@ -451,7 +523,8 @@ impl DecodeNode {
         self.unpack(manifest, payload);
     }
 
-    /// Writes a transfer's bytes into the pages its manifest names.
+    /// Writes a transfer's bytes into the pages its manifest names (a
+    /// `Landed` transfer's bytes are there already).
     fn unpack(&mut self, manifest: &Manifest, payload: &KvPayload) {
         let KvPayload::Bytes(bytes) = payload else {
             return;
@@ -512,13 +585,23 @@ impl DecodeNode {
         manifest
     }
 
-    /// Frame-level checks of a transfer: the request's own pages, sizes, checksum.
+    /// Frame-level checks of a transfer: the request's own pages, sizes,
+    /// checksum; a `Landed` transfer only on a link whose peer writes into
+    /// this node's registered pool.
     fn transfer_problem(
         &self,
         seq: &Sequence,
         manifest: &kvsan_sanitizer::Manifest,
         payload: &KvPayload,
     ) -> Option<String> {
+        let writes_land = self.peer.as_ref().is_some_and(|p| p.writes_land);
+        if *payload == KvPayload::Landed && !writes_land {
+            return Some(
+                "it says its bytes already landed in this node's pages (an RDMA completion), \
+                 but the link from prefill is not an RDMA link with this node's registered pool"
+                    .into(),
+            );
+        }
         if manifest.dst_pool != self.core.pool_id || manifest.dst_pages != seq.table.pages() {
             return Some(format!(
                 "it targets pages request {} does not hold",
@@ -541,23 +624,50 @@ impl DecodeNode {
                 self.core.model.config().n_layers
             ));
         }
-        if let KvPayload::Bytes(bytes) = payload {
-            let want = kv_payload_len(manifest, self.core.pool.geometry().slot_width());
-            if bytes.len() != want {
-                return Some(format!(
-                    "{} payload bytes, the manifest describes {want}",
-                    bytes.len()
-                ));
+        let landed;
+        let bytes = match payload {
+            KvPayload::Bytes(bytes) => {
+                let want = kv_payload_len(manifest, self.core.pool.geometry().slot_width());
+                if bytes.len() != want {
+                    return Some(format!(
+                        "{} payload bytes, the manifest describes {want}",
+                        bytes.len()
+                    ));
+                }
+                bytes
             }
-            let sum = kv_checksum(bytes);
-            if sum != manifest.checksum {
-                return Some(format!(
-                    "checksum {sum:016x}, the manifest says {:016x}",
-                    manifest.checksum
-                ));
+            KvPayload::Landed => {
+                // The bytes are in the pages: read them back as the wire
+                // would carry them.
+                landed = self.landed_bytes(manifest);
+                &landed
             }
+        };
+        let sum = kv_checksum(bytes);
+        if sum != manifest.checksum {
+            return Some(format!(
+                "checksum {sum:016x}, the manifest says {:016x}",
+                manifest.checksum
+            ));
         }
         None
+    }
+
+    /// The bytes an RDMA transfer wrote into the pages its manifest names,
+    /// in wire order (the manifest was checked to fit the request's pages).
+    fn landed_bytes(&self, manifest: &Manifest) -> Vec<u8> {
+        let layers = manifest.layers.start as usize..manifest.layers.end as usize;
+        let mut out = Vec::with_capacity(kv_payload_len(
+            manifest,
+            self.core.pool.geometry().slot_width(),
+        ));
+        for (idx, slots) in kv_slices(manifest, self.core.pool.page_slots()) {
+            let page = manifest.dst_pages[idx].page;
+            self.core
+                .pool
+                .pack_slots(page, slots, layers.clone(), &mut out);
+        }
+        out
     }
 
     /// Prefill finished: commit the received KV and start decoding.
@@ -737,5 +847,210 @@ impl DecodeNode {
             let _ = self.core.lifecycle.refuse(owner, &error);
             let _ = events.send(Event::Error(error.clone()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The accepting side of [`KvPayload::Landed`], without a NIC: the node
+    //! is driven by hand, and the test writes the bytes into the reserved
+    //! pages itself, as the NIC would, before the completion notice.
+
+    use std::sync::Arc;
+
+    use crossbeam_channel::unbounded;
+    use kvsan_sanitizer::{NodeRole, PoolId, RequestId, TenantId};
+
+    use super::*;
+    use crate::hooks::Hooks;
+    use crate::model::{AttentionCheck, SyntheticSpec};
+    use crate::node::scheduler::SchedulerConfig;
+    use crate::sampler::SamplingParams;
+    use crate::transport::in_process;
+
+    const PAGE_SLOTS: usize = 16;
+    const CONTEXT: usize = 256;
+    /// The registered range the node pretends its pool has.
+    const ZONE: LandingZone = LandingZone {
+        addr: 0x10_0000,
+        len: 1 << 30,
+        rkey: 7,
+    };
+
+    /// A decode node with a prefill link, `registered` or not, whose
+    /// prefill side is `prefill_inbox`.
+    fn node(
+        registered: bool,
+        link: Option<LandingZone>,
+    ) -> (DecodeNode, Receiver<Inbound<ToPrefill>>) {
+        let model = Arc::new(
+            SyntheticSpec {
+                context_length: CONTEXT,
+                ..SyntheticSpec::default()
+            }
+            .build()
+            .unwrap(),
+        );
+        let core = NodeCore::new(
+            model.clone(),
+            CONTEXT / PAGE_SLOTS,
+            PAGE_SLOTS,
+            NodeRole::Decode,
+            "decode",
+            Hooks::none(),
+            AttentionCheck::Unchecked,
+        )
+        .unwrap();
+        let (tx, _) = unbounded();
+        let mut node = DecodeNode::new(
+            core,
+            Scheduler::new(SchedulerConfig::default()),
+            CONTEXT,
+            tx,
+        );
+        if registered {
+            node.landing = Some(ZONE);
+        }
+        let pair = in_process::pair();
+        node.attach(Box::new(pair.to_prefill), pair.decode_inbox, link);
+        let c = model.config();
+        node.hello(NodeInfo {
+            pool_tokens: CONTEXT,
+            page_slots: PAGE_SLOTS,
+            n_layers: c.n_layers,
+            kv_dim: c.n_kv_heads * c.head_dim,
+            context_length: CONTEXT,
+        });
+        (node, pair.prefill_inbox)
+    }
+
+    /// Submits a 20-token prompt; the order prefill gets.
+    fn submit(
+        node: &mut DecodeNode,
+        prefill: &Receiver<Inbound<ToPrefill>>,
+    ) -> (PrefillOrder, Receiver<Event>) {
+        let (tx, events) = unbounded();
+        let request = Request {
+            tenant: TenantId(1),
+            prompt: (0..20).map(|i| (i * 7 + 3) % 100).collect(),
+            max_tokens: 4,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: Vec::new(),
+        };
+        node.submit(
+            crate::request::owner(RequestId(1), TenantId(1)),
+            request,
+            tx,
+        );
+        node.reserve_pages();
+        match prefill.try_recv() {
+            Ok(Inbound::Message(ToPrefill::Prefill(order))) => (order, events),
+            other => panic!("expected a prefill order, got {other:?}"),
+        }
+    }
+
+    /// The manifest of the whole prompt of `order`, and its bytes.
+    fn transfer(node: &DecodeNode, order: &PrefillOrder) -> (Manifest, Vec<u8>) {
+        let mut m = Manifest {
+            request: order.owner,
+            src_pool: PoolId(0),
+            src_pages: order.dst_pages.clone(),
+            dst_pool: order.dst_pool,
+            dst_pages: order.dst_pages.clone(),
+            first_token: 0,
+            tokens: order.prompt.len() as u32,
+            layers: 0..node.core.model.config().n_layers as u32,
+            checksum: 0,
+        };
+        let len = kv_payload_len(&m, node.core.pool.geometry().slot_width());
+        let bytes: Vec<u8> = (0..len).map(|i| (i % 61) as u8).collect();
+        m.checksum = kv_checksum(&bytes);
+        (m, bytes)
+    }
+
+    /// Writes `bytes` into the pages `m` names, as the NIC's WRITEs would.
+    fn land(node: &mut DecodeNode, m: &Manifest, bytes: &[u8]) {
+        let layers = m.layers.start as usize..m.layers.end as usize;
+        let mut at = 0;
+        for (idx, slots) in kv_slices(m, PAGE_SLOTS) {
+            at += node
+                .core
+                .pool
+                .unpack_slots(m.dst_pages[idx].page, slots, layers.clone(), &bytes[at..])
+                .unwrap();
+        }
+    }
+
+    /// Commits request 1 and runs the node until it is idle; its events.
+    fn finish(node: &mut DecodeNode, events: &Receiver<Event>) -> Vec<Event> {
+        node.commit(RequestId(1), 1);
+        for _ in 0..100 {
+            if node.sched.is_idle() {
+                break;
+            }
+            unified::step(&mut node.core, &mut node.sched);
+        }
+        events.try_iter().collect()
+    }
+
+    #[test]
+    fn landed_kv_on_the_nodes_own_rdma_link_decodes_like_the_same_bytes_in_the_message() {
+        let (mut by_message, prefill) = node(false, None);
+        let (order, events) = submit(&mut by_message, &prefill);
+        let (m, bytes) = transfer(&by_message, &order);
+        by_message.receive(KvTransfer {
+            manifest: m,
+            payload: KvPayload::Bytes(bytes),
+        });
+        let expected = finish(&mut by_message, &events);
+        assert!(
+            matches!(expected.last(), Some(Event::Finished { generated: 4, .. })),
+            "{expected:?}"
+        );
+
+        let (mut landed, prefill) = node(true, Some(ZONE));
+        let (order, events) = submit(&mut landed, &prefill);
+        let (m, bytes) = transfer(&landed, &order);
+        land(&mut landed, &m, &bytes);
+        landed.receive(KvTransfer {
+            manifest: m,
+            payload: KvPayload::Landed,
+        });
+        assert_eq!(landed.core.stats.transfers, 1);
+        assert_eq!(finish(&mut landed, &events), expected);
+    }
+
+    #[test]
+    fn landed_kv_whose_pages_do_not_hold_the_manifests_checksum_is_refused() {
+        let (mut node, prefill) = node(true, Some(ZONE));
+        let (order, events) = submit(&mut node, &prefill);
+        let (m, mut bytes) = transfer(&node, &order);
+        bytes[5] ^= 1;
+        land(&mut node, &m, &bytes);
+        node.receive(KvTransfer {
+            manifest: m,
+            payload: KvPayload::Landed,
+        });
+        match events.try_iter().last() {
+            Some(Event::Error(e)) => assert!(
+                e.message.contains("KV transfer refused: checksum"),
+                "{}",
+                e.message
+            ),
+            other => panic!("expected the request to fail, got {other:?}"),
+        }
+        assert!(matches!(
+            prefill.try_recv(),
+            Ok(Inbound::Message(ToPrefill::Cancel { .. }))
+        ));
+    }
+
+    #[test]
+    fn an_rdma_link_set_up_with_another_pools_registration_is_refused() {
+        let other = LandingZone { rkey: 8, ..ZONE };
+        let (registered, _prefill) = node(true, Some(other));
+        assert!(registered.peer.is_none());
+        let (unregistered, _prefill) = node(false, Some(other));
+        assert!(unregistered.peer.is_none());
     }
 }

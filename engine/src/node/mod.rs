@@ -17,7 +17,7 @@ use kvsan_sanitizer::{Owner, RequestId};
 
 pub use self::core::NodeStats;
 use crate::request::{Event, Request};
-use crate::transport::{Inbound, Link, ToDecode, ToPrefill};
+use crate::transport::{Inbound, LandingZone, Link, ToDecode, ToPrefill};
 
 /// What a node's thread receives.
 pub(crate) enum Command {
@@ -31,10 +31,13 @@ pub(crate) enum Command {
     Cancel(RequestId),
     /// Report the node's counters.
     Stats(Sender<NodeStats>),
-    /// (Decode node) a link to a prefill node came up.
+    /// (Decode node) a link to a prefill node came up; `landing` is the
+    /// registered pool range an RDMA link offered its peer (`None`: the
+    /// link carries KV bytes in its messages).
     AttachPrefill {
         link: Box<dyn Link<ToPrefill>>,
         inbox: Receiver<Inbound<ToDecode>>,
+        landing: Option<LandingZone>,
     },
     /// (Decode node) a message from the prefill link of epoch `epoch`.
     FromPrefill {

@@ -80,6 +80,20 @@ pub enum KvPayload {
     Landed,
 }
 
+/// The registered range of a decode pool that a link's peer writes KV into
+/// directly (RDMA WRITE): the decode node believes [`KvPayload::Landed`]
+/// only on a link set up with its own pool's range. A link without one
+/// (in-process, TCP) carries the bytes in the message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LandingZone {
+    /// The registered address of the pool's first byte.
+    pub(crate) addr: u64,
+    /// Registered bytes.
+    pub(crate) len: u64,
+    /// The remote key the peer's writes carry.
+    pub(crate) rkey: u32,
+}
+
 /// KV moving from prefill to decode.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvTransfer {

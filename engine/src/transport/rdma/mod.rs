@@ -5,7 +5,7 @@
 //! ```text
 //!  decode                                              prefill
 //!  ------                                              -------
-//!  RegisteredPool (pool pages, remote write)
+//!  PoolRegistration (pool pages, remote write)
 //!  queue pair (RC), 64 receives posted
 //!          ── TCP: hello {qp, psn, lid, gid, pool addr, rkey, geometry} ─▶
 //!          ◀─ TCP: hello {qp, psn, lid, gid} ──────────────────────────────
@@ -51,14 +51,18 @@ use crossbeam_channel::Sender;
 use kvsan_sanitizer::{Manifest, PageId};
 
 pub use error::RdmaError;
-pub use verbs::{RdmaConfig, RdmaDevice, RegisteredPool, rdma_devices};
+pub use verbs::{
+    PoolRegion, PoolRegistration, RdmaConfig, RdmaDevice, RegisteredPool, rdma_devices,
+};
 
 use self::handshake::{Hello, RemotePool};
 use self::verbs::{Backoff, QueuePairRc, RegisteredBuffer, SendKind, SendOp};
 use super::wire::{self, WireLimits};
 use super::{
-    Inbound, KvPayload, KvTransfer, Link, LinkDown, ToDecode, ToPrefill, kv_payload_len, kv_slices,
+    Inbound, KvPayload, KvTransfer, LandingZone, Link, LinkDown, ToDecode, ToPrefill,
+    kv_payload_len, kv_slices,
 };
+use crate::EngineError;
 use crate::request::{ErrorKind, RequestError};
 
 /// Bytes of one SEND (one receive slot): a flag byte, then up to 4095 bytes
@@ -75,6 +79,10 @@ const MAX_WRITE: u64 = 1 << 30;
 /// How long a send waits for its completions before the link is declared
 /// broken (the queue pair's own retries give up well before this).
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a handshake waits for each of the peer's messages: a
+/// connection that never answers (not a kvsan peer) must not hold the
+/// decode node's accept loop for ever.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const FRAGMENT_MORE: u8 = 0;
 const FRAGMENT_LAST: u8 = 1;
 
@@ -112,6 +120,18 @@ fn peer_name(stream: &TcpStream) -> String {
         .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string())
 }
 
+/// Bounds each read of the handshake (`None` after it: the side channel then
+/// waits as long as the link lives).
+fn set_handshake_timeout(
+    stream: &TcpStream,
+    peer: &str,
+    timeout: Option<Duration>,
+) -> Result<(), RdmaError> {
+    stream
+        .set_read_timeout(timeout)
+        .map_err(|e| side_err(peer, "set the handshake timeout", e))
+}
+
 fn side_err(peer: &str, op: &'static str, source: std::io::Error) -> RdmaError {
     RdmaError::SideChannel {
         peer: peer.to_string(),
@@ -121,9 +141,11 @@ fn side_err(peer: &str, op: &'static str, source: std::io::Error) -> RdmaError {
 }
 
 /// The decode node's end of an RDMA link: receives KV into its
-/// [`RegisteredPool`] and messages into its inbox; sends orders to prefill.
+/// registered pool ([`PoolRegistration`]) and messages into its inbox;
+/// sends orders to prefill.
 pub struct RdmaDecodeEndpoint {
     peer: String,
+    landing: LandingZone,
     writer: Mutex<TcpStream>,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -139,11 +161,11 @@ impl std::fmt::Debug for RdmaDecodeEndpoint {
 
 impl RdmaDecodeEndpoint {
     /// Connects to the prefill side over `stream` (already connected, either
-    /// side may have listened): offers `pool` for RDMA WRITEs and starts
-    /// delivering prefill's messages to `inbox`.
+    /// side may have listened): offers the registered pool `pool` for RDMA
+    /// WRITEs and starts delivering prefill's messages to `inbox`.
     ///
-    /// The pool must outlive the link for transfers to land; if it is
-    /// dropped first, prefill's writes fail (the region is gone) and the
+    /// The registration must outlive the link for transfers to land; if it
+    /// is dropped first, prefill's writes fail (the region is gone) and the
     /// link breaks, but no memory is touched.
     ///
     /// # Errors
@@ -152,11 +174,14 @@ impl RdmaDecodeEndpoint {
     /// the handshake fails.
     pub fn handshake(
         mut stream: TcpStream,
-        pool: &RegisteredPool,
+        pool: &PoolRegion,
         inbox: Sender<Inbound<ToDecode>>,
     ) -> Result<RdmaDecodeEndpoint, RdmaError> {
         let peer = peer_name(&stream);
+        set_handshake_timeout(&stream, &peer, Some(HANDSHAKE_TIMEOUT))?;
         let device = pool.device();
+        let remote = pool.remote();
+        let landing = pool.landing_zone();
         let mut qp = QueuePairRc::new(device, 1, RECV_DEPTH)?;
         let slots = RegisteredBuffer::new(device, SLOT * RECV_DEPTH as usize)?;
         for slot in 0..RECV_DEPTH {
@@ -165,16 +190,9 @@ impl RdmaDecodeEndpoint {
             // into the receiver, which drops the queue pair before it.
             unsafe { qp.post_recv(u64::from(slot), &slots, slot as usize * SLOT, SLOT as u32) }?;
         }
-        let geometry = *pool.pool().geometry();
         let mine = Hello::Decode {
             qp: qp.endpoint(),
-            pool: RemotePool {
-                addr: pool.addr(),
-                len: pool.len(),
-                rkey: pool.rkey(),
-                geometry,
-                n_pages: u32::try_from(pool.pool().n_pages()).unwrap_or(u32::MAX),
-            },
+            pool: remote,
         };
         let Hello::Prefill { qp: theirs } = handshake::exchange(&mut stream, &peer, &mine)? else {
             return Err(RdmaError::Protocol {
@@ -184,6 +202,7 @@ impl RdmaDecodeEndpoint {
         };
         qp.connect(&theirs)?;
         handshake::ready(&mut stream, &peer)?;
+        set_handshake_timeout(&stream, &peer, None)?;
 
         let stop = Arc::new(AtomicBool::new(false));
         let link = DisconnectOnce::new(inbox);
@@ -221,10 +240,25 @@ impl RdmaDecodeEndpoint {
             .map_err(|e| side_err(&peer, "start side-channel thread", e))?;
         Ok(RdmaDecodeEndpoint {
             peer,
+            landing,
             writer: Mutex::new(stream),
             stop,
             threads: vec![recv_thread, watch_thread],
         })
+    }
+}
+
+impl RdmaDecodeEndpoint {
+    /// The registered range this link offered prefill: the decode node
+    /// accepts [`KvPayload::Landed`] on the link only if it is its own pool's.
+    pub(crate) fn landing_zone(&self) -> LandingZone {
+        self.landing
+    }
+
+    /// The prefill node's address.
+    #[must_use]
+    pub fn peer(&self) -> &str {
+        &self.peer
     }
 }
 
@@ -487,6 +521,7 @@ impl RdmaPrefillEndpoint {
         inbox: Sender<Inbound<ToPrefill>>,
     ) -> Result<RdmaPrefillEndpoint, RdmaError> {
         let peer = peer_name(&stream);
+        set_handshake_timeout(&stream, &peer, Some(HANDSHAKE_TIMEOUT))?;
         let mut qp = QueuePairRc::new(device, SEND_DEPTH, 1)?;
         let mine = Hello::Prefill { qp: qp.endpoint() };
         let Hello::Decode { qp: theirs, pool } = handshake::exchange(&mut stream, &peer, &mine)?
@@ -498,6 +533,7 @@ impl RdmaPrefillEndpoint {
         };
         qp.connect(&theirs)?;
         handshake::ready(&mut stream, &peer)?;
+        set_handshake_timeout(&stream, &peer, None)?;
         let sender = PrefillSender {
             qp,
             staging: RegisteredBuffer::new(device, 1 << 20)?,
@@ -554,6 +590,30 @@ impl RdmaPrefillEndpoint {
             reason,
         }
     }
+}
+
+/// Connects to a decode node whose side channel listens at `addr`
+/// (retrying refused connections for up to `retry_for`, as
+/// [`super::tcp::connect`]) and runs the prefill handshake on `device`.
+/// Returns the link and the inbox decode's orders arrive in.
+///
+/// # Errors
+/// [`EngineError::TcpConnect`] when no connection was made in time; as
+/// [`RdmaPrefillEndpoint::handshake`].
+pub fn connect_prefill(
+    addr: impl std::net::ToSocketAddrs + std::fmt::Display,
+    retry_for: Duration,
+    device: &Arc<RdmaDevice>,
+) -> Result<
+    (
+        RdmaPrefillEndpoint,
+        crossbeam_channel::Receiver<Inbound<ToPrefill>>,
+    ),
+    EngineError,
+> {
+    let stream = super::tcp::connect(addr, retry_for)?;
+    let (tx, rx) = crossbeam_channel::unbounded();
+    Ok((RdmaPrefillEndpoint::handshake(stream, device, tx)?, rx))
 }
 
 impl Link<ToDecode> for RdmaPrefillEndpoint {

@@ -25,8 +25,12 @@ use sideway::ibverbs::queue_pair::{
     SetScatterGatherEntry, WorkRequestFlags,
 };
 
+use kvsan_kernels::attention::KvGeometry;
+
 use super::RdmaError;
+use super::handshake::RemotePool;
 use crate::kv_pool::KvPool;
+use crate::transport::LandingZone;
 
 /// Which device, port and GID an RDMA link uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -208,39 +212,137 @@ fn pick_gid_index(
         .or_else(|| (0..len).find(|&i| usable(i)))
 }
 
-/// A [`KvPool`] whose page storage is registered with the NIC for RDMA
-/// WRITEs from the peer.
+/// The registration of a [`KvPool`]'s page storage with the NIC for RDMA
+/// WRITEs from the peer, held apart from the pool.
 ///
-/// The region covers `pool.data()` (all pages, as bytes). Two rules keep the
-/// NIC's writes inside memory this process owns, and this type enforces
-/// both:
+/// A decode node owns its pool in its `NodeCore`; this type lets it hold
+/// the registration next to the pool without owning it. Whoever creates one
+/// (through the `unsafe` [`PoolRegistration::new`]) promises that the pool
+/// outlives it and that the pool's storage never moves while it lives; the
+/// decode node keeps it in a field dropped before its core (which holds the
+/// pool). [`RegisteredPool`] bundles both for callers that own a pool alone.
 ///
-/// - **the registration never outlives the pool**: the pool is owned here,
-///   and dropping (or [`RegisteredPool::into_pool`]) deregisters before the
-///   pool's memory can be freed;
-/// - **the page storage never moves**: a `KvPool` allocates its storage once
-///   and never grows it, and moving the `KvPool` value moves only its handle.
-///   The pool is therefore lent out as `&KvPool`, or as `&mut KvPool` only
-///   through [`RegisteredPool::pool_mut`], whose contract forbids moving
-///   the pool out from behind the reference.
-///
-/// The peer writes only into pages the decode node reserved for an incoming
-/// transfer, and the node reads them only after the transfer's completion
-/// message: the same contract as any DMA buffer.
+/// The region covers `pool.data()` (all pages, as bytes). Deregistration
+/// (the drop) returns only once the NIC will not touch the memory again;
+/// a peer that writes with the old remote key afterwards gets a remote
+/// access error and its link breaks.
+pub struct PoolRegistration {
+    region: Arc<MemoryRegion>,
+    device: Arc<RdmaDevice>,
+    geometry: KvGeometry,
+    n_pages: u32,
+}
+
+impl std::fmt::Debug for PoolRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolRegistration")
+            .field("device", &self.device.name)
+            .field("addr", &format_args!("{:#x}", self.region.get_ptr()))
+            .field("bytes", &self.region.region_len())
+            .field("pages", &self.n_pages)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PoolRegistration {
+    /// Registers `pool`'s page storage on `device` for remote writes.
+    ///
+    /// # Safety
+    /// - the pool's page storage outlives the returned registration: the
+    ///   pool is dropped only after the registration is;
+    /// - the storage never moves while the registration lives: the pool is
+    ///   not replaced (`std::mem::swap`, `replace`, assigning a new pool) —
+    ///   moving the `KvPool` value itself is fine, it moves only its handle,
+    ///   and a `KvPool` allocates its storage once and never grows it;
+    /// - the caller accepts that the peer's RDMA WRITEs land in the pages at
+    ///   any time while registered, whatever Rust references to them exist
+    ///   (the decode node reads a page only after the completion message of
+    ///   the transfer that wrote it, the contract of any DMA buffer).
+    ///
+    /// # Errors
+    /// [`RdmaError::Verbs`] when the registration fails (memory lock limit,
+    /// no device).
+    pub unsafe fn new(device: &Arc<RdmaDevice>, pool: &mut KvPool) -> Result<Self, RdmaError> {
+        let geometry = *pool.geometry();
+        let n_pages = u32::try_from(pool.n_pages()).unwrap_or(u32::MAX);
+        let data = pool.data_mut();
+        let len = std::mem::size_of_val(data);
+        let addr = data.as_mut_ptr().cast::<u8>();
+        // SAFETY: `addr..addr + len` is the pool's page storage, one
+        // allocation; the caller guarantees it stays allocated and in place
+        // until the region (held only by the returned value) is dropped, and
+        // accepts the peer's writes into it.
+        let region = unsafe { device.register(addr, len, true) }?;
+        Ok(PoolRegistration {
+            region,
+            device: Arc::clone(device),
+            geometry,
+            n_pages,
+        })
+    }
+
+    /// What an endpoint handshake offers the peer: the registered range,
+    /// its remote key, the page geometry. A plain description: it keeps
+    /// nothing registered, and writes with it after this registration is
+    /// dropped fail at the NIC.
+    #[must_use]
+    pub fn region(&self) -> PoolRegion {
+        PoolRegion {
+            device: Arc::clone(&self.device),
+            remote: RemotePool {
+                addr: self.region.get_ptr() as u64,
+                len: self.region.region_len() as u64,
+                rkey: self.region.rkey(),
+                geometry: self.geometry,
+                n_pages: self.n_pages,
+            },
+        }
+    }
+}
+
+/// A registered pool as an endpoint handshake offers it to the prefill side
+/// ([`PoolRegistration::region`], [`RegisteredPool::region`]).
+#[derive(Clone, Debug)]
+pub struct PoolRegion {
+    device: Arc<RdmaDevice>,
+    remote: RemotePool,
+}
+
+impl PoolRegion {
+    /// The device the pool is registered on.
+    #[must_use]
+    pub fn device(&self) -> &Arc<RdmaDevice> {
+        &self.device
+    }
+
+    pub(crate) fn remote(&self) -> RemotePool {
+        self.remote
+    }
+
+    /// The range as the decode node recognises its own registration.
+    pub(crate) fn landing_zone(&self) -> LandingZone {
+        LandingZone {
+            addr: self.remote.addr,
+            len: self.remote.len,
+            rkey: self.remote.rkey,
+        }
+    }
+}
+
+/// A [`KvPool`] that owns its [`PoolRegistration`]: for callers that hold a
+/// pool alone (tests, tools). The pool is lent out as `&KvPool`, or as
+/// `&mut KvPool` only through [`RegisteredPool::pool_mut`], whose contract
+/// forbids moving the pool out from behind the reference.
 pub struct RegisteredPool {
     // Field order is drop order: deregister, then free the pool.
-    region: Arc<MemoryRegion>,
+    registration: PoolRegistration,
     pool: KvPool,
-    device: Arc<RdmaDevice>,
 }
 
 impl std::fmt::Debug for RegisteredPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegisteredPool")
-            .field("device", &self.device.name)
-            .field("addr", &format_args!("{:#x}", self.region.get_ptr()))
-            .field("bytes", &self.region.region_len())
-            .field("pages", &self.pool.n_pages())
+            .field("registration", &self.registration)
             .finish_non_exhaustive()
     }
 }
@@ -252,20 +354,12 @@ impl RegisteredPool {
     /// [`RdmaError::Verbs`] when the registration fails (memory lock limit,
     /// no device); the pool is dropped then.
     pub fn register(device: &Arc<RdmaDevice>, mut pool: KvPool) -> Result<Self, RdmaError> {
-        let data = pool.data_mut();
-        let len = std::mem::size_of_val(data);
-        let addr = data.as_mut_ptr().cast::<u8>();
-        // SAFETY: `addr..addr + len` is the pool's page storage, one
-        // allocation. The pool moves into the returned value, which drops the
-        // region before the pool, and a KvPool never reallocates its storage;
-        // `pool_mut`'s contract forbids moving the pool out. NIC writes into
-        // the pages are the point of the registration.
-        let region = unsafe { device.register(addr, len, true) }?;
-        Ok(RegisteredPool {
-            region,
-            pool,
-            device: Arc::clone(device),
-        })
+        // SAFETY: the pool moves into the returned value, whose field order
+        // drops the registration before the pool; nothing replaces the pool
+        // (`pool_mut`'s contract forbids it), and moving the `KvPool` value
+        // into the struct does not move its storage.
+        let registration = unsafe { PoolRegistration::new(device, &mut pool) }?;
+        Ok(RegisteredPool { registration, pool })
     }
 
     /// The pool.
@@ -288,30 +382,21 @@ impl RegisteredPool {
     /// Deregisters the storage and gives the pool back.
     #[must_use]
     pub fn into_pool(self) -> KvPool {
-        let RegisteredPool { region, pool, .. } = self;
-        drop(region);
+        let RegisteredPool { registration, pool } = self;
+        drop(registration);
         pool
     }
 
     /// The device the pool is registered on.
     #[must_use]
     pub fn device(&self) -> &Arc<RdmaDevice> {
-        &self.device
+        &self.registration.device
     }
 
-    /// The remote key the peer's RDMA WRITEs must carry.
-    pub(crate) fn rkey(&self) -> u32 {
-        self.region.rkey()
-    }
-
-    /// The registered address of the first byte of the pool.
-    pub(crate) fn addr(&self) -> u64 {
-        self.region.get_ptr() as u64
-    }
-
-    /// Registered bytes.
-    pub(crate) fn len(&self) -> u64 {
-        self.region.region_len() as u64
+    /// What an endpoint handshake offers the peer.
+    #[must_use]
+    pub fn region(&self) -> PoolRegion {
+        self.registration.region()
     }
 }
 
