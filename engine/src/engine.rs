@@ -16,8 +16,8 @@ use kvsan_sanitizer::{NodeRole, RequestId};
 use crate::EngineError;
 use crate::hooks::Hooks;
 use crate::model::{AttentionCheck, Model};
-use crate::node::core::NodeCore;
 use crate::node::decode::DecodeNode;
+use crate::node::executor::Executor;
 use crate::node::prefill::{Exit, PrefillNode};
 use crate::node::scheduler::{Scheduler, SchedulerConfig};
 use crate::node::{Command, NodeStats, unified};
@@ -97,8 +97,8 @@ impl EngineConfig {
         pages: usize,
         role: NodeRole,
         name: &str,
-    ) -> Result<NodeCore, EngineError> {
-        NodeCore::new(
+    ) -> Result<Executor, EngineError> {
+        Executor::new(
             model,
             pages,
             self.page_slots,
@@ -423,7 +423,7 @@ impl Drop for Engine {
 /// Starts a decode node's thread, the node made by `finish` from the plain
 /// one; returns its command channel and thread.
 fn spawn_decode(
-    core: NodeCore,
+    core: Executor,
     cfg: &EngineConfig,
     context: usize,
     finish: impl FnOnce(DecodeNode) -> DecodeNode,

@@ -8,7 +8,7 @@
 //! | `model` | configuration, weights, the forward pass (`forward.rs`), the synthetic model |
 //! | `kv_pool` | pages, generations, the free list, quarantine, poison |
 //! | `kv_access` | the one way the forward pass reaches the pool: the step's batch arrays and the guard its kernels check with |
-//! | `node` | the nodes (unified, prefill, decode), each request's state machine on a node (`lifecycle.rs`: the one place a request's state is set, every move checked legal, its lifecycle event reported once), the step every node runs (`core.rs`), the batch builder (`batch.rs`), the scheduler (`scheduler.rs`: continuous batching, chunked prefill, preemption), admission, sequences |
+//! | `node` | the nodes (unified, prefill, decode), each request's state machine on a node (`lifecycle.rs`: the one place a request's state is set, every move checked legal, its lifecycle event reported once), the step executor (`executor.rs`: a node's pool, model and lifecycle; pages for a step and one forward pass over its batch), the step loop the nodes share (`step_loop.rs`: plan, execute, apply each row's outcome), the batch builder (`batch.rs`), the scheduler (`scheduler.rs`: continuous batching, chunked prefill, preemption), admission, sequences |
 //! | `hooks` | the dispatch to a sanitizer: none, in-process, or a C hook table |
 //! | `transport` | prefill ↔ decode messages and links: in-process, TCP, RDMA |
 //! | `engine` | the serving engine a client submits to |

@@ -17,11 +17,11 @@ use kvsan_sanitizer::{Manifest, Owner, PageId, PageRef, RequestId, Verdict};
 use crate::faults::{self, Fault};
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
-use crate::node::core::NodeCore;
+use crate::node::executor::Executor;
 use crate::node::lifecycle::State;
 use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
-use crate::node::unified::{self, fail, fail_in_place, new_sequence};
+use crate::node::step_loop::{self, fail, fail_in_place, new_sequence};
 use crate::request::{ErrorKind, Event, Request, RequestError};
 use crate::transport::{
     Inbound, KvPayload, KvTransfer, LandingZone, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill,
@@ -52,7 +52,7 @@ pub(crate) struct DecodeNode {
     registration: Option<crate::transport::rdma::PoolRegistration>,
     /// The registered range of this node's pool, if it is registered.
     landing: Option<LandingZone>,
-    core: NodeCore,
+    core: Executor,
     sched: Scheduler,
     context: usize,
     peer: Option<PrefillPeer>,
@@ -78,7 +78,7 @@ pub(crate) struct DecodeNode {
 
 impl DecodeNode {
     pub fn new(
-        core: NodeCore,
+        core: Executor,
         sched: Scheduler,
         context: usize,
         tx: Sender<Command>,
@@ -139,7 +139,7 @@ impl DecodeNode {
                 }
             }
             self.reserve_pages();
-            unified::step(&mut self.core, &mut self.sched);
+            step_loop::step(&mut self.core, &mut self.sched);
         }
     }
 
@@ -153,7 +153,7 @@ impl DecodeNode {
             } => self.submit(owner, request, events),
             Command::Cancel(id) => self.cancel(id),
             Command::Stats(tx) => {
-                let mut s = unified::stats(&self.core, &self.sched);
+                let mut s = step_loop::stats(&self.core, &self.sched);
                 let transferring = self
                     .awaiting_kv
                     .keys()
@@ -174,7 +174,7 @@ impl DecodeNode {
             }
             Command::Shutdown => {
                 self.fail_waiting_for_prefill("the engine is shutting down");
-                unified::shutdown(&mut self.core, &mut self.sched);
+                step_loop::shutdown(&mut self.core, &mut self.sched);
                 return false;
             }
         }
@@ -268,7 +268,7 @@ impl DecodeNode {
                 Some(events.clone()),
             )
         }) {
-            Ok(seq) => self.reserve.extend(unified::queue(&mut self.core, seq)),
+            Ok(seq) => self.reserve.extend(step_loop::queue(&mut self.core, seq)),
             Err(e) => {
                 // Refused either way; a move the lifecycle refuses is logged there.
                 let _ = self.core.lifecycle.refuse(owner, &e);
@@ -301,7 +301,7 @@ impl DecodeNode {
         match new_sequence(owner, request, self.core.pool.page_slots(), Some(events)) {
             Ok(mut seq) => {
                 seq.placeholder = true;
-                self.reserve.extend(unified::queue(&mut self.core, seq));
+                self.reserve.extend(step_loop::queue(&mut self.core, seq));
             }
             Err(e) => tracing::error!(node = %self.core.name, "placeholder: {}", e.message),
         }
@@ -718,7 +718,7 @@ impl DecodeNode {
     fn start_decoding(&mut self, mut seq: Sequence, first_token: u32) {
         seq.computed = seq.prompt_len;
         match seq.push_token(first_token) {
-            Some(reason) => unified::finish(&mut self.core, seq, reason),
+            Some(reason) => step_loop::finish(&mut self.core, seq, reason),
             None => {
                 seq.admitted_at = self.sched.next_admission();
                 self.sched.running.push(seq);
@@ -763,7 +763,7 @@ impl DecodeNode {
             let _ = events.send(Event::Error(cancelled));
         } else {
             // Running or preempted; a draining request is answered already.
-            unified::cancel(&mut self.core, &mut self.sched, id);
+            step_loop::cancel(&mut self.core, &mut self.sched, id);
         }
     }
 
@@ -891,7 +891,7 @@ mod tests {
             .build()
             .unwrap(),
         );
-        let core = NodeCore::new(
+        let core = Executor::new(
             model.clone(),
             CONTEXT / PAGE_SLOTS,
             PAGE_SLOTS,
@@ -988,7 +988,7 @@ mod tests {
             if node.sched.is_idle() {
                 break;
             }
-            unified::step(&mut node.core, &mut node.sched);
+            step_loop::step(&mut node.core, &mut node.sched);
         }
         events.try_iter().collect()
     }

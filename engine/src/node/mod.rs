@@ -4,18 +4,19 @@
 
 pub(crate) mod admission;
 pub(crate) mod batch;
-pub(crate) mod core;
 pub(crate) mod decode;
+pub(crate) mod executor;
 pub(crate) mod lifecycle;
 pub(crate) mod prefill;
 pub mod scheduler;
 pub(crate) mod sequence;
+pub(crate) mod step_loop;
 pub(crate) mod unified;
 
 use crossbeam_channel::{Receiver, Sender};
 use kvsan_sanitizer::{Owner, RequestId};
 
-pub use self::core::NodeStats;
+pub use self::executor::NodeStats;
 use crate::request::{Event, Request};
 use crate::transport::{Inbound, LandingZone, Link, ToDecode, ToPrefill};
 

@@ -17,11 +17,11 @@ use kvsan_sanitizer::{Manifest, PoolId, RequestId};
 use crate::faults::{self, Fault};
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
-use crate::node::core::{ChunkOutcome, NodeCore};
+use crate::node::executor::{ChunkOutcome, Executor};
 use crate::node::lifecycle::{Refused, State};
 use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
-use crate::node::unified::{self, new_sequence};
+use crate::node::step_loop::{self, new_sequence};
 use crate::request::{ErrorKind, Request, RequestError};
 use crate::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
@@ -39,7 +39,7 @@ struct Destination {
 
 /// The prefill node's state.
 pub(crate) struct PrefillNode {
-    pub core: NodeCore,
+    pub core: Executor,
     pub sched: Scheduler,
     pub context: usize,
     dests: HashMap<RequestId, Destination>,
@@ -54,7 +54,7 @@ pub(crate) enum Exit {
 }
 
 impl PrefillNode {
-    pub fn new(core: NodeCore, sched: Scheduler, context: usize) -> PrefillNode {
+    pub fn new(core: Executor, sched: Scheduler, context: usize) -> PrefillNode {
         PrefillNode {
             core,
             sched,
@@ -114,7 +114,7 @@ impl PrefillNode {
     fn control(&mut self, cmd: Option<Command>) -> Option<Exit> {
         match cmd {
             Some(Command::Stats(tx)) => {
-                let _ = tx.send(unified::stats(&self.core, &self.sched));
+                let _ = tx.send(step_loop::stats(&self.core, &self.sched));
                 None
             }
             Some(Command::Shutdown) | None => {
@@ -324,7 +324,7 @@ impl PrefillNode {
     fn fail(&mut self, mut seq: Sequence, error: RequestError, link: &dyn Link<ToDecode>) {
         self.dests.remove(&seq.owner.request);
         let request = seq.owner.request;
-        unified::fail_in_place(&mut self.core, &mut seq, error.clone());
+        step_loop::fail_in_place(&mut self.core, &mut seq, error.clone());
         let _ = link.send(ToDecode::PrefillFailed { request, error });
     }
 

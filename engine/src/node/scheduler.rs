@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 use kvsan_sanitizer::RequestId;
 
 use crate::faults::{self, Fault};
-use crate::node::core::{NodeCore, Planned};
+use crate::node::executor::{Executor, Planned};
 use crate::node::lifecycle::State;
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, RequestError};
@@ -84,7 +84,7 @@ impl Scheduler {
 
     /// Plans one step: which sequences compute how many tokens. Pages are
     /// allocated here. Sequences that cannot go on come back in the second list.
-    pub fn plan(&mut self, core: &mut NodeCore) -> (Vec<Planned>, Vec<Failed>) {
+    pub fn plan(&mut self, core: &mut Executor) -> (Vec<Planned>, Vec<Failed>) {
         let mut failed = Vec::new();
         let mut planned: Vec<(RequestId, usize)> = Vec::new();
         self.starved = false;
@@ -104,7 +104,7 @@ impl Scheduler {
     /// Phase 1: one token for every decoding sequence, preempting when pages run out.
     fn schedule_decodes(
         &mut self,
-        core: &mut NodeCore,
+        core: &mut Executor,
         planned: &mut Vec<(RequestId, usize)>,
         failed: &mut Vec<Failed>,
     ) -> usize {
@@ -155,7 +155,7 @@ impl Scheduler {
     /// Phase 2: chunks for sequences part-way through their prompt or a recompute.
     fn schedule_prefill_chunks(
         &mut self,
-        core: &mut NodeCore,
+        core: &mut Executor,
         mut budget: usize,
         planned: &mut Vec<(RequestId, usize)>,
         failed: &mut Vec<Failed>,
@@ -190,7 +190,7 @@ impl Scheduler {
     /// Phase 3: waiting sequences join while budget, slots and pages last.
     fn admit(
         &mut self,
-        core: &mut NodeCore,
+        core: &mut Executor,
         mut budget: usize,
         planned: &mut Vec<(RequestId, usize)>,
         failed: &mut Vec<Failed>,
@@ -235,7 +235,7 @@ impl Scheduler {
     }
 
     /// Pages of the pool held neither on the free list nor by the batch.
-    fn pages_held_elsewhere(&self, core: &NodeCore) -> usize {
+    fn pages_held_elsewhere(&self, core: &Executor) -> usize {
         let in_batch: usize = self.running.iter().map(|s| s.table.len()).sum();
         core.pool.n_pages() - core.pool.free_pages() - in_batch
     }
@@ -252,7 +252,7 @@ impl Scheduler {
     /// queue goes to `failed` instead.
     fn preempt_newest_other_than(
         &mut self,
-        core: &mut NodeCore,
+        core: &mut Executor,
         keep: usize,
         failed: &mut Vec<Failed>,
     ) -> Option<(RequestId, usize)> {
@@ -281,12 +281,12 @@ impl Scheduler {
 }
 
 /// Tokens `s` could still place: the free slots of its last page plus the free pages.
-fn room_for(core: &NodeCore, s: &Sequence) -> usize {
+fn room_for(core: &Executor, s: &Sequence) -> usize {
     let slack = s.table.capacity() - s.computed.min(s.table.capacity());
     slack + core.pool.free_pages() * core.pool.page_slots()
 }
 
-fn capacity_error(seq: &Sequence, core: &NodeCore) -> RequestError {
+fn capacity_error(seq: &Sequence, core: &Executor) -> RequestError {
     RequestError::new(
         ErrorKind::Capacity,
         format!(

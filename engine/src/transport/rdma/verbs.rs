@@ -215,7 +215,7 @@ fn pick_gid_index(
 /// The registration of a [`KvPool`]'s page storage with the NIC for RDMA
 /// WRITEs from the peer, held apart from the pool.
 ///
-/// A decode node owns its pool in its `NodeCore`; this type lets it hold
+/// A decode node owns its pool in its `Executor`; this type lets it hold
 /// the registration next to the pool without owning it. Whoever creates one
 /// (through the `unsafe` [`PoolRegistration::new`]) promises that the pool
 /// outlives it and that the pool's storage never moves while it lives; the

@@ -65,7 +65,7 @@ pub(crate) enum ChunkOutcome {
 }
 
 /// A node's pool, model and hooks.
-pub(crate) struct NodeCore {
+pub(crate) struct Executor {
     pub model: Arc<Model>,
     pub pool: KvPool,
     pub pool_id: PoolId,
@@ -130,7 +130,7 @@ fn row_error(node: &str, fault: &RowFault) -> RequestError {
     }
 }
 
-impl NodeCore {
+impl Executor {
     /// A node named `name` with a pool of `n_pages` pages of `page_slots` slots.
     pub fn new(
         model: Arc<Model>,
@@ -140,7 +140,7 @@ impl NodeCore {
         name: &str,
         hooks: Hooks,
         check: AttentionCheck,
-    ) -> Result<NodeCore, crate::EngineError> {
+    ) -> Result<Executor, crate::EngineError> {
         let geometry = model.kv_geometry(page_slots);
         let mut pool = KvPool::new(geometry, n_pages)?;
         pool.set_quarantine(hooks.quarantine_pages() as usize);
@@ -160,7 +160,7 @@ impl NodeCore {
             .context_length
             .div_ceil(page_slots)
             .min(n_pages);
-        Ok(NodeCore {
+        Ok(Executor {
             model,
             stats: NodeStats {
                 total_pages: n_pages,
