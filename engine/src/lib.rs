@@ -14,7 +14,7 @@
 //! | `engine` | the serving engine a client submits to |
 //! | `faults` | fail points (feature `faults`): which production bug each re-creates, and the switch that turns it on |
 //! | `scenario` | each fault's leak-oracle scenario (feature `faults`): the script, the victim, what the sanitizer must report |
-//! | `error` | [`EngineError`], which wraps each subsystem's own type, kept beside it: `GgufError` (`gguf/error.rs`), `TokenizerError` (`tokenizer.rs`; the chat template's too), `FetchError` (`fetch.rs`), `PoolError` (`kv_pool.rs`), `WireError` (`transport/wire/error.rs`), `RdmaError` (`transport/rdma/error.rs`, feature `rdma`); all are re-exported from `error` |
+//! | `error` | [`EngineError`], which wraps each subsystem's own type, each in a file of `error/` named after its subsystem: `GgufError`, `TokenizerError` (the chat template's too), `FetchError`, `PoolError`, `WireError`, `RdmaError` (feature `rdma`); each subsystem re-exports its own, and imports it from here, never the other way |
 #![warn(missing_docs)]
 
 pub mod chat;

@@ -47,12 +47,11 @@ use kvsan_kernels::DType;
 
 use crate::error::EngineError;
 
-mod error;
 mod meta;
 mod parse;
 mod write;
 
-pub use error::GgufError;
+pub use crate::error::GgufError;
 pub use meta::{MetaArray, MetaType, MetaValue};
 use parse::Parser;
 pub use write::GgufBuilder;

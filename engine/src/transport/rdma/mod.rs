@@ -37,7 +37,6 @@
 //! the wrong length) is refused before anything is written; the link stays
 //! up. A failed work request breaks the link for good.
 
-mod error;
 mod handshake;
 mod verbs;
 
@@ -50,7 +49,7 @@ use std::time::Duration;
 use crossbeam_channel::Sender;
 use kvsan_sanitizer::{Manifest, PageId};
 
-pub use error::RdmaError;
+pub use crate::error::RdmaError;
 pub use verbs::{
     PoolRegion, PoolRegistration, RdmaConfig, RdmaDevice, RegisteredPool, rdma_devices,
 };

@@ -70,12 +70,11 @@ use kvsan_sanitizer::RequestId;
 
 use super::{ToDecode, ToPrefill};
 
-mod error;
 mod fields;
 mod frame;
 mod messages;
 
-pub use error::WireError;
+pub use crate::error::WireError;
 pub use frame::{
     encode, frame_fault_keeps_stream, frame_fault_subject, frame_head, heartbeat_frame, read_frame,
     read_header, write_frame,

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 /// A GGUF file that cannot be read as one: what the metadata and tensor
-/// accessors return, and what [`GgufFile::open`](super::GgufFile::open)
+/// accessors return, and what [`GgufFile::open`](crate::gguf::GgufFile::open)
 /// wraps in [`EngineError::Gguf`](crate::EngineError::Gguf).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

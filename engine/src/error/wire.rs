@@ -1,7 +1,7 @@
 //! What can go wrong reading or writing a wire frame: framing lost (bad
 //! magic, version or header, an oversize or truncated frame, the connection
 //! failing) or one frame's payload damaged (checksum, message type,
-//! malformed field). [`frame_fault_keeps_stream`](super::frame_fault_keeps_stream)
+//! malformed field). [`frame_fault_keeps_stream`](crate::transport::wire::frame_fault_keeps_stream)
 //! tells the two apart.
 
 /// A transport frame that cannot be written, read or decoded.

@@ -4,17 +4,19 @@
 //! parameter) and the limit or expectation it broke, so that a user who hands
 //! the engine a corrupt model file or a bad option can see what to fix.
 //!
-//! A subsystem with failures of its own has its own type next to it, and
+//! A subsystem with failures of its own has its own type, in a file of this
+//! module named after it (so the subsystems import their errors and this
+//! module imports none of them), re-exported by the subsystem, and
 //! [`EngineError`] wraps each one transparently (same message, `?` converts):
 //!
 //! | type | module | what fails |
 //! | --- | --- | --- |
-//! | [`GgufError`] | `gguf/error.rs` | a GGUF file's header, metadata or tensor table |
-//! | [`TokenizerError`] | `tokenizer.rs` | the tokenizer, the chat template, encoding a text |
-//! | [`FetchError`] | `fetch.rs` | fetching and verifying the default model |
-//! | [`PoolError`] | `kv_pool.rs` | allocating the KV pool, returning a page to it |
-//! | [`WireError`] | `transport/wire/error.rs` | writing, reading and decoding transport frames |
-//! | `RdmaError` | `transport/rdma/error.rs` | RDMA devices and links (feature `rdma`) |
+//! | [`GgufError`] | `error/gguf.rs` | a GGUF file's header, metadata or tensor table |
+//! | [`TokenizerError`] | `error/tokenizer.rs` | the tokenizer, the chat template, encoding a text |
+//! | [`FetchError`] | `error/fetch.rs` | fetching and verifying the default model |
+//! | [`PoolError`] | `error/pool.rs` | allocating the KV pool, returning a page to it |
+//! | [`WireError`] | `error/wire.rs` | writing, reading and decoding transport frames |
+//! | `RdmaError` | `error/rdma.rs` | RDMA devices and links (feature `rdma`) |
 //!
 //! What is left here is generic (I/O on a named file, configuration, the
 //! sanitizer and hook table) or spans subsystems (the model, a forward
@@ -22,13 +24,21 @@
 
 use std::path::PathBuf;
 
-pub use crate::fetch::FetchError;
-pub use crate::gguf::GgufError;
-pub use crate::kv_pool::PoolError;
-pub use crate::tokenizer::TokenizerError;
+mod fetch;
+mod gguf;
+mod pool;
 #[cfg(feature = "rdma")]
-pub use crate::transport::rdma::RdmaError;
-pub use crate::transport::wire::WireError;
+mod rdma;
+mod tokenizer;
+mod wire;
+
+pub use self::fetch::FetchError;
+pub use self::gguf::GgufError;
+pub use self::pool::PoolError;
+#[cfg(feature = "rdma")]
+pub use self::rdma::RdmaError;
+pub use self::tokenizer::TokenizerError;
+pub use self::wire::WireError;
 
 /// Everything that can fail in `kvsan-engine`.
 #[derive(Debug, thiserror::Error)]
