@@ -34,7 +34,7 @@ use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::{Model, SyntheticSpec};
 use kvsan_engine::tokenizer::Tokenizer;
 use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
-use kvsan_engine::transport::{Link, LinkDown, ToDecode};
+use kvsan_engine::transport::{Link, LinkDown, ToDecode, ToPrefill};
 
 use super::model_arg;
 use client::{Frontend, TextSide};
@@ -432,78 +432,69 @@ fn run_prefill(
     cfg: &EngineConfig,
     rdma: Option<RdmaDevice>,
 ) -> anyhow::Result<()> {
+    let peer = args.peer.clone().expect("checked by check_flags");
+    let retry = Duration::from_secs(args.peer_retry_secs);
     #[cfg(feature = "rdma")]
     if let Some(device) = rdma {
-        return run_prefill_rdma(args, model, cfg, &device);
+        use kvsan_engine::transport::rdma;
+        return serve_decode_peer(args, model, cfg, "RDMA", |_| {
+            let (link, rx) = rdma::connect_prefill(peer.as_str(), retry, &device)?;
+            let boxed: Box<dyn Link<ToDecode>> = Box::new(link);
+            Ok((boxed, rx))
+        });
     }
     #[cfg(not(feature = "rdma"))]
     let None = rdma;
-    let peer = args.peer.clone().expect("checked by check_flags");
-    let retry = Duration::from_secs(args.peer_retry_secs);
     let opts = TcpOptions::default();
-    eprintln!("kvsan: serving role=prefill peer={peer}");
-    // Dropping the control would stop the node: keep it for the whole run.
-    let (control, inbox) = PrefillControl::new();
-    let mut failure: Option<kvsan_engine::EngineError> = None;
     let mut previous: Option<Arc<TcpLink<ToDecode>>> = None;
-    let connect = || {
-        if let Some(prev) = previous.take() {
+    serve_decode_peer(args, model, cfg, "TCP", |reconnecting| {
+        if let Some(prev) = previous.take().filter(|_| reconnecting) {
             let why = prev
                 .down_reason()
                 .unwrap_or_else(|| "the link closed".into());
-            eprintln!("kvsan: link to the decode node dropped ({why}); reconnecting");
+            eprintln!("kvsan: the link to the decode node dropped ({why})");
         }
-        match tcp::connect_prefill(peer.as_str(), retry, &opts) {
-            Ok((link, rx)) => {
-                eprintln!("kvsan: connected to the decode node at {peer}");
-                let link = Arc::new(link);
-                previous = Some(link.clone());
-                let boxed: Box<dyn Link<ToDecode>> = Box::new(SharedLink(link));
-                Some((boxed, rx))
-            }
-            Err(e) => {
-                failure = Some(e);
-                None
-            }
-        }
-    };
-    serve_prefill(model, cfg, inbox, connect)?;
-    drop(control);
-    match failure {
-        Some(e) => Err(anyhow::Error::new(e).context(format!(
-            "the decode node at {peer} could not be reached within {}s",
-            args.peer_retry_secs
-        ))),
-        None => Ok(()),
-    }
+        let (link, rx) = tcp::connect_prefill(peer.as_str(), retry, &opts)?;
+        let link = Arc::new(link);
+        previous = Some(link.clone());
+        let boxed: Box<dyn Link<ToDecode>> = Box::new(SharedLink(link));
+        Ok((boxed, rx))
+    })
 }
 
-/// The prefill role over RDMA: as [`run_prefill`], each connection to
-/// `--peer` the side channel of the RDMA handshake on `device`.
-#[cfg(feature = "rdma")]
-fn run_prefill_rdma(
+/// The link to the decode node `dial` makes, and the inbox of its orders.
+type Dialed = (
+    Box<dyn Link<ToDecode>>,
+    crossbeam_channel::Receiver<kvsan_engine::transport::Inbound<ToPrefill>>,
+);
+
+/// Serves the decode node at `--peer` over the links `dial` makes (its
+/// argument: whether an earlier link dropped), until `dial` fails.
+fn serve_decode_peer(
     args: &Args,
     model: Arc<Model>,
     cfg: &EngineConfig,
-    device: &Arc<kvsan_engine::transport::rdma::RdmaDevice>,
+    transport: &str,
+    mut dial: impl FnMut(bool) -> Result<Dialed, kvsan_engine::EngineError>,
 ) -> anyhow::Result<()> {
-    use kvsan_engine::transport::rdma;
-    let peer = args.peer.clone().expect("checked by check_flags");
-    let retry = Duration::from_secs(args.peer_retry_secs);
-    eprintln!("kvsan: serving role=prefill peer={peer} transport=rdma");
+    let peer = args.peer.as_deref().expect("checked by check_flags");
+    eprintln!(
+        "kvsan: serving role=prefill peer={peer} transport={}",
+        transport.to_ascii_lowercase()
+    );
+    // Dropping the control would stop the node: keep it for the whole run.
     let (control, inbox) = PrefillControl::new();
     let mut failure: Option<kvsan_engine::EngineError> = None;
     let mut connected = false;
     let connect = || {
         if connected {
-            eprintln!("kvsan: RDMA link to the decode node dropped; reconnecting");
+            eprintln!("kvsan: reconnecting to the decode node over {transport}");
         }
-        match rdma::connect_prefill(peer.as_str(), retry, device) {
-            Ok((link, rx)) => {
-                eprintln!("kvsan: connected to the decode node at {peer} over RDMA");
+        match dial(connected) {
+            Ok(dialed) => {
+                eprintln!("kvsan: connected to the decode node at {peer} over {transport}");
                 connected = true;
-                let boxed: Box<dyn Link<ToDecode>> = Box::new(link);
-                Some((boxed, rx))
+                Some(dialed)
             }
             Err(e) => {
                 failure = Some(e);
@@ -515,7 +506,7 @@ fn run_prefill_rdma(
     drop(control);
     match failure {
         Some(e) => Err(anyhow::Error::new(e).context(format!(
-            "the decode node at {peer} could not be reached over RDMA within {}s",
+            "the decode node at {peer} could not be reached over {transport} within {}s",
             args.peer_retry_secs
         ))),
         None => Ok(()),
