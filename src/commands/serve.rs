@@ -21,6 +21,7 @@
 //! link drops. The client protocol is in [`client`].
 
 mod client;
+mod text;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -37,7 +38,8 @@ use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
 use kvsan_engine::transport::{Link, LinkDown, ToDecode, ToPrefill};
 
 use super::model_arg;
-use client::{Frontend, TextSide};
+use client::Frontend;
+use text::TextSide;
 
 /// Which node(s) this process runs.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

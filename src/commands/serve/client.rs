@@ -37,14 +37,15 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use kvsan_engine::chat::{ChatMessage, ChatTemplate};
+use kvsan_engine::chat::ChatMessage;
 use kvsan_engine::engine::{Engine, EngineStats};
 use kvsan_engine::node::NodeStats;
 use kvsan_engine::request::{ErrorKind, Event, FinishReason, Request, RequestError};
 use kvsan_engine::sampler::SamplingParams;
-use kvsan_engine::tokenizer::Tokenizer;
 use kvsan_sanitizer::{RequestId, TenantId};
 use serde_json::{Map, Value, json};
+
+use super::text::TextSide;
 
 /// Longest request line accepted, in bytes.
 pub const MAX_LINE_BYTES: usize = 16 << 20;
@@ -64,25 +65,6 @@ const REQUEST_FIELDS: [&str; 9] = [
     "seed",
     "chat",
 ];
-
-/// A model's text side: how prompts are encoded and tokens shown.
-pub struct TextSide {
-    tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
-    stop_tokens: Vec<u32>,
-}
-
-impl TextSide {
-    /// The tokenizer and, when the model has one, its chat template.
-    pub fn new(tokenizer: Tokenizer, template: Option<ChatTemplate>) -> TextSide {
-        let stop_tokens = tokenizer.eos_id().into_iter().collect();
-        TextSide {
-            tokenizer,
-            template,
-            stop_tokens,
-        }
-    }
-}
 
 /// What every client connection shares: the engine and the text side.
 pub struct Frontend {
@@ -280,13 +262,13 @@ fn stream_events(
     events: impl IntoIterator<Item = Event>,
     out: &mut impl Write,
 ) -> io::Result<()> {
-    let mut text = text.map(|t| (t, t.tokenizer.stream_decoder()));
+    let mut text = text.map(|t| (t, t.tokenizer().stream_decoder()));
     for event in events {
         match event {
             Event::Token(token) => {
                 let line = match &mut text {
                     Some((side, decoder)) => {
-                        json!({ "token": token, "text": decoder.push(&side.tokenizer, token) })
+                        json!({ "token": token, "text": decoder.push(side.tokenizer(), token) })
                     }
                     None => json!({ "token": token }),
                 };
@@ -390,7 +372,7 @@ fn parse_request(front: &Frontend, obj: &Map<String, Value>) -> Result<Request, 
             let stop = front
                 .text
                 .as_ref()
-                .map(|t| t.stop_tokens.clone())
+                .map(|t| t.stop_tokens().to_vec())
                 .unwrap_or_default();
             (prompt_ids(ids)?, stop)
         }
@@ -401,7 +383,7 @@ fn parse_request(front: &Frontend, obj: &Map<String, Value>) -> Result<Request, 
             )?;
             let rendered;
             let text = if chat {
-                let template = side.template.as_ref().ok_or(
+                let template = side.template().ok_or(
                     "the model has no usable chat template: send the prompt without \"chat\"",
                 )?;
                 rendered = template.render(&[ChatMessage::user(text)], true);
@@ -410,10 +392,10 @@ fn parse_request(front: &Frontend, obj: &Map<String, Value>) -> Result<Request, 
                 text
             };
             let ids = side
-                .tokenizer
+                .tokenizer()
                 .encode(text)
                 .map_err(|e| format!("the prompt cannot be tokenized: {e}"))?;
-            (ids, side.stop_tokens.clone())
+            (ids, side.stop_tokens().to_vec())
         }
     };
     let sampling = SamplingParams {
