@@ -18,9 +18,14 @@
 //! runs: each new connection replaces the previous link, so a restarted
 //! prefill process is picked up. The prefill role connects to `--peer`,
 //! retrying for `--peer-retry-secs`, and reconnects the same way after its
-//! link drops. The client protocol is in [`client`].
+//! link drops.
+//!
+//! Clients speak the JSON-lines protocol of [`client`] (`--api jsonl`, the
+//! default for now) or the OpenAI-compatible HTTP API of [`http`]
+//! (`--api http`), whose tenants come from `--api-keys FILE`.
 
 mod client;
+mod http;
 mod text;
 
 use std::net::TcpListener;
@@ -63,6 +68,17 @@ impl Role {
             Role::Disagg => "disagg",
         }
     }
+}
+
+/// How clients talk to the server.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Api {
+    /// kvsan's JSON-lines protocol over TCP (the default for now).
+    #[default]
+    Jsonl,
+    /// OpenAI-compatible HTTP: /v1/completions, /v1/chat/completions (SSE
+    /// with `"stream": true`), /v1/models, /health, /tokenize, /detokenize.
+    Http,
 }
 
 /// How KV travels between a decode and a prefill process.
@@ -119,7 +135,16 @@ pub struct Args {
     /// gives up and exits with an error (at start and after a link drop).
     #[arg(long, default_value_t = 30)]
     pub peer_retry_secs: u64,
-    /// Client connections served at once at most; more are refused with an error line.
+    /// Client interface (roles unified, decode, disagg; default jsonl).
+    #[arg(long, value_enum)]
+    pub api: Option<Api>,
+    /// `KEY TENANT [SALT]` lines: the tenant of each API key clients send
+    /// as `Authorization: Bearer KEY` (with `--api http`). Without it every
+    /// client is tenant 0.
+    #[arg(long)]
+    pub api_keys: Option<PathBuf>,
+    /// Clients served at once at most (jsonl: connections; http: requests
+    /// generating); more are refused at once with an error.
     #[arg(long, default_value_t = 256)]
     pub max_clients: usize,
 }
@@ -137,8 +162,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    let (model, text) = load_model(args)?;
+    // Before the model loads: a malformed key file is a start-up error.
+    let tenants = match &args.api_keys {
+        Some(path) => Some(http::api_keys::Tenants::load(path)?),
+        None => None,
+    };
+    let (model, text, model_id) = load_model(args)?;
     let cfg = args.engine.config()?;
+    let context_length = model.config().context_length;
     stop_on_signals(cfg.hooks.clone())?;
     let (engine, peers) = match (args.role, rdma) {
         (Role::Prefill, rdma) => return run_prefill(args, model, &cfg, rdma),
@@ -152,7 +183,25 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             (engine, PeerTransport::Rdma(region))
         }
     };
-    run_front(args, engine, text, peers)
+    let api = match args.api.unwrap_or_default() {
+        Api::Jsonl => FrontApi::Jsonl,
+        Api::Http => FrontApi::Http {
+            tenants: tenants.unwrap_or_else(http::api_keys::Tenants::single),
+            model_id,
+            context_length,
+        },
+    };
+    run_front(args, engine, text, peers, api)
+}
+
+/// The client interface `run_front` serves, with what it needs.
+enum FrontApi {
+    Jsonl,
+    Http {
+        tenants: http::api_keys::Tenants,
+        model_id: String,
+        context_length: usize,
+    },
 }
 
 /// The RDMA device `--transport rdma` uses (`None` for TCP).
@@ -235,12 +284,11 @@ fn stop_on_signals(hooks: Hooks) -> anyhow::Result<()> {
 /// address is a mistake worth saying, not ignoring).
 fn check_flags(args: &Args) -> anyhow::Result<()> {
     let role = args.role;
-    let flags: [(&str, bool, &[Role]); 9] = [
-        (
-            "--listen",
-            args.listen.is_some(),
-            &[Role::Unified, Role::Decode, Role::Disagg],
-        ),
+    let front_roles: &[Role] = &[Role::Unified, Role::Decode, Role::Disagg];
+    let flags: [(&str, bool, &[Role]); 11] = [
+        ("--listen", args.listen.is_some(), front_roles),
+        ("--api", args.api.is_some(), front_roles),
+        ("--api-keys", args.api_keys.is_some(), front_roles),
         ("--peer-listen", args.peer_listen.is_some(), &[Role::Decode]),
         ("--peer", args.peer.is_some(), &[Role::Prefill]),
         (
@@ -295,6 +343,9 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
     {
         bail!("{flag} is used only with --transport rdma");
     }
+    if args.api_keys.is_some() && args.api != Some(Api::Http) {
+        bail!("--api-keys is used only with --api http");
+    }
     let missing = match role {
         Role::Unified | Role::Disagg if args.listen.is_none() => Some("--listen"),
         Role::Decode if args.listen.is_none() => Some("--listen"),
@@ -308,8 +359,9 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The model, and its tokenizer and chat template when it has them.
-fn load_model(args: &Args) -> anyhow::Result<(Arc<Model>, Option<Arc<TextSide>>)> {
+/// The model, its tokenizer and chat template when it has them, and the
+/// name clients call it by (the file's name without `.gguf`, or `synthetic`).
+fn load_model(args: &Args) -> anyhow::Result<(Arc<Model>, Option<Arc<TextSide>>, String)> {
     if args.synthetic {
         let spec = SyntheticSpec {
             context_length: args
@@ -317,10 +369,13 @@ fn load_model(args: &Args) -> anyhow::Result<(Arc<Model>, Option<Arc<TextSide>>)
                 .unwrap_or(SyntheticSpec::default().context_length),
             ..SyntheticSpec::default()
         };
-        return Ok((Arc::new(spec.build()?), None));
+        return Ok((Arc::new(spec.build()?), None, "synthetic".into()));
     }
     let path = model_arg::resolve(args.model.as_deref())?;
     let model = Model::load(&path)?;
+    let model_id = path
+        .file_stem()
+        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
     let text = match model.weights().file() {
         Some(gguf) => {
             let tokenizer = Tokenizer::from_gguf(gguf)?;
@@ -330,7 +385,7 @@ fn load_model(args: &Args) -> anyhow::Result<(Arc<Model>, Option<Arc<TextSide>>)
         }
         None => None,
     };
-    Ok((Arc::new(model), text))
+    Ok((Arc::new(model), text, model_id))
 }
 
 /// Roles with a client interface (unified, decode, disagg): serve clients
@@ -340,6 +395,7 @@ fn run_front(
     engine: Engine,
     text: Option<Arc<TextSide>>,
     transport: PeerTransport,
+    api: FrontApi,
 ) -> anyhow::Result<()> {
     let engine = Arc::new(engine);
     let listen = args.listen.as_deref().expect("checked by check_flags");
@@ -363,10 +419,31 @@ fn run_front(
             })
             .context("cannot start the prefill accept thread")?;
     }
-    eprintln!("{line}");
-    let front = Arc::new(Frontend::new(engine, text));
-    client::serve_clients(&clients, &front, args.max_clients);
-    Ok(())
+    match api {
+        FrontApi::Jsonl => {
+            eprintln!("{line}");
+            let front = Arc::new(Frontend::new(engine, text));
+            client::serve_clients(&clients, &front, args.max_clients);
+            Ok(())
+        }
+        FrontApi::Http {
+            tenants,
+            model_id,
+            context_length,
+        } => {
+            eprintln!("kvsan: {}", tenants.describe());
+            eprintln!("{line} api=http model={model_id}");
+            let front = http::Front::new(
+                engine,
+                text,
+                model_id,
+                context_length,
+                tenants,
+                args.max_clients,
+            );
+            http::serve(clients, front)
+        }
+    }
 }
 
 /// Attaches every prefill node that connects; a new connection replaces

@@ -1,0 +1,67 @@
+//! The routes, and the small ones that need no file of their own.
+//!
+//! ```text
+//!  GET  /health                 200 while the server runs (no key asked)
+//!  GET  /v1/models              the served model
+//!  POST /v1/completions         completions.rs
+//!  POST /v1/chat/completions    completions.rs
+//!  POST /tokenize               tokenize.rs
+//!  POST /detokenize             tokenize.rs
+//! ```
+//!
+//! Every other path is a 404, a known path with another method a 405, both
+//! in the error format.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+
+use super::error::ApiError;
+use super::{Front, completions, json_body, tokenize};
+
+/// The server's routes over `front`.
+pub fn router(front: Arc<Front>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(completions::chat))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(front)
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn models(State(front): State<Arc<Front>>, headers: HeaderMap) -> Response {
+    if let Err(e) = front.authorize(&headers) {
+        return e.into_response();
+    }
+    json_body(&json!({
+        "object": "list",
+        "data": [{
+            "id": front.model_id,
+            "object": "model",
+            "created": front.started,
+            "owned_by": "kvsan",
+            "max_model_len": front.context_length,
+        }],
+    }))
+}
+
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::not_found(format!("no route {}", uri.path()))
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::method_not_allowed(format!("{} does not take {method}", uri.path()))
+}
