@@ -1,0 +1,525 @@
+//! `kvsan serve --api http` answers OpenAI clients: real server processes
+//! on loopback, driven by `curl` (SSE framing, statuses and error bodies,
+//! as bytes on the wire) and by the official `openai` Python package.
+//!
+//! The synthetic model (no tokenizer: prompts are token-id arrays, answers
+//! carry `token_ids`) covers the wire format; the default model covers
+//! text, the chat template and the Python client.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+mod serve_common;
+use serve_common::Server;
+
+/// Generous bound on one exchange: a hang fails, nothing is timed.
+const BOUND: Duration = Duration::from_secs(60);
+
+/// A synthetic-model HTTP server with `extra` flags, and its address.
+fn synthetic_server(extra: &[&str]) -> (Server, String) {
+    let server = start_synthetic(extra);
+    let addr = listen_addr(&server);
+    (server, addr)
+}
+
+/// A synthetic-model HTTP server with `extra` flags, before its serving line.
+fn start_synthetic(extra: &[&str]) -> Server {
+    let mut args = vec![
+        "--role",
+        "unified",
+        "--synthetic",
+        "--api",
+        "http",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    Server::start("serve-http", &args)
+}
+
+/// The client address of the serving line.
+fn listen_addr(server: &Server) -> String {
+    server
+        .serving()
+        .listen
+        .expect("listen= on the serving line")
+}
+
+/// A `curl` answer: the status and the body.
+struct Answer {
+    status: u16,
+    body: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+
+    /// Checks the OpenAI error shape and returns the `error` object.
+    fn error(&self, status: u16) -> Value {
+        assert_eq!(self.status, status, "{}", self.body);
+        let v = self.json();
+        let e = v["error"].clone();
+        for field in ["message", "type", "code"] {
+            assert!(e[field].is_string(), "error.{field} missing: {v}");
+        }
+        e
+    }
+}
+
+/// `curl` with `args`, to `http://{addr}{path}`.
+fn curl(addr: &str, path: &str, args: &[&str]) -> Answer {
+    let out = Command::new("curl")
+        .args(["-sS", "-N", "--max-time", "60", "-w", "\n%{http_code}"])
+        .args(args)
+        .arg(format!("http://{addr}{path}"))
+        .output()
+        .expect("run curl");
+    assert!(
+        out.status.success(),
+        "curl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("UTF-8 answer");
+    let (body, status) = text.rsplit_once('\n').expect("status line");
+    Answer {
+        status: status.parse().expect("status code"),
+        body: body.to_string(),
+    }
+}
+
+/// POSTs `body` (JSON text) with extra `headers`.
+fn post(addr: &str, path: &str, body: &str, headers: &[&str]) -> Answer {
+    let mut args = vec![
+        "-H",
+        "Content-Type: application/json",
+        "--data-binary",
+        body,
+    ];
+    for h in headers {
+        args.extend(["-H", h]);
+    }
+    curl(addr, path, &args)
+}
+
+/// The `data:` payloads of an SSE body, checking the framing: every event
+/// is exactly one `data: ` line followed by a blank line.
+fn sse_data(body: &str) -> Vec<String> {
+    assert!(
+        body.ends_with("\n\n"),
+        "events end with a blank line: {body:?}"
+    );
+    body.trim_end_matches('\n')
+        .split("\n\n")
+        .map(|event| {
+            assert!(!event.contains('\n'), "one line per event: {event:?}");
+            event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {event:?}"))
+                .to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn a_streamed_completion_is_sse_chunks_then_usage_then_done() {
+    let (_server, addr) = synthetic_server(&[]);
+    let body = json!({
+        "model": "synthetic",
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+    .to_string();
+    let answer = post(&addr, "/v1/completions", &body, &[]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let data = sse_data(&answer.body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let usage: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]), "{usage}");
+    assert_eq!(
+        usage["usage"],
+        json!({"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9})
+    );
+    let chunks: Vec<Value> = data[..data.len() - 2]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let mut ids = Vec::new();
+    for (i, chunk) in chunks.iter().enumerate() {
+        assert_eq!(chunk["object"], "text_completion", "{chunk}");
+        assert!(chunk["id"].as_str().unwrap().starts_with("cmpl-"));
+        assert_eq!(chunk["usage"], Value::Null, "usage null until the end");
+        let choice = &chunk["choices"][0];
+        let last = i == chunks.len() - 1;
+        let reason = if last { json!("length") } else { Value::Null };
+        assert_eq!(choice["finish_reason"], reason, "{chunk}");
+        ids.extend(choice["token_ids"].as_array().unwrap().iter().cloned());
+    }
+    assert_eq!(ids.len(), 5, "every token streamed once");
+}
+
+#[test]
+fn a_completion_not_streamed_has_its_usage_and_finish_reason() {
+    let (_server, addr) = synthetic_server(&[]);
+    let body = json!({"model": "synthetic", "prompt": [[5, 6, 7]], "max_tokens": 3, "seed": 7});
+    let answer = post(&addr, "/v1/completions", &body.to_string(), &[]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let v = answer.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["choices"][0]["token_ids"].as_array().unwrap().len(), 3);
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+    );
+    let models = curl(&addr, "/v1/models", &[]).json();
+    assert_eq!(models["data"][0]["id"], "synthetic");
+    assert_eq!(curl(&addr, "/health", &[]).status, 200);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_with_the_right_status() {
+    let (_server, addr) = synthetic_server(&["--synthetic-context", "256"]);
+    let completions = |body: &str| post(&addr, "/v1/completions", body, &[]);
+
+    let e = completions(r#"{"model": "synthetic", "prompt": [1, 2"#).error(400);
+    assert_eq!(e["code"], "invalid_json", "{e}");
+
+    let e = completions(r#"{"model": "synthetic", "prompt": [1], "logprobs": 1}"#).error(400);
+    assert_eq!(e["param"], "logprobs", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("logprobs"), "{e}");
+
+    let e = completions(r#"{"model": "synthetic", "prompt": [1], "n": 2}"#).error(400);
+    assert_eq!(e["param"], "n", "{e}");
+
+    let e = completions(r#"{"model": "synthetic", "prompt": [1], "top_k": "x"}"#).error(400);
+    assert_eq!(e["param"], "top_k", "{e}");
+
+    // Over the context: refused with its limit, before any stream starts.
+    let long: Vec<u32> = (0..300).map(|i| i % 50).collect();
+    for stream in [false, true] {
+        let body = json!({"model": "synthetic", "prompt": long, "max_tokens": 4, "stream": stream});
+        let e = completions(&body.to_string()).error(400);
+        assert_eq!(e["code"], "rejected", "{e}");
+        let message = e["message"].as_str().unwrap();
+        assert!(message.contains("limit 256 tokens"), "{message}");
+    }
+
+    let e = completions(r#"{"model": "gpt-4", "prompt": [1]}"#).error(404);
+    assert_eq!(e["code"], "model_not_found", "{e}");
+
+    let chat = json!({"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]});
+    let e = post(&addr, "/v1/chat/completions", &chat.to_string(), &[]).error(400);
+    assert_eq!(e["code"], "no_tokenizer", "{e}");
+
+    curl(&addr, "/v1/nothing", &[]).error(404);
+    curl(&addr, "/v1/completions", &[]).error(405);
+}
+
+#[test]
+fn tenants_come_from_api_keys_and_an_unknown_key_is_refused() {
+    let dir = tempfile_dir();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "# test keys\nsk-alpha 1\nsk-beta 2 salt-b\n").unwrap();
+    let server = start_synthetic(&["--api-keys", keys.to_str().unwrap()]);
+    // Said before the serving line.
+    server.wait_for("--api-keys: 2 keys for 2 tenants", BOUND);
+    let addr = listen_addr(&server);
+    let body = r#"{"model": "synthetic", "prompt": [1, 2], "max_tokens": 1}"#;
+
+    let e = post(&addr, "/v1/completions", body, &[]).error(401);
+    assert_eq!(e["code"], "invalid_api_key", "{e}");
+    let answer = post(
+        &addr,
+        "/v1/completions",
+        body,
+        &["Authorization: Bearer sk-guess"],
+    );
+    answer.error(401);
+    assert!(!answer.body.contains("sk-guess"), "the key is not echoed");
+    curl(&addr, "/v1/models", &[]).error(401);
+
+    let ok = post(
+        &addr,
+        "/v1/completions",
+        body,
+        &["Authorization: Bearer sk-beta"],
+    );
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    // /health asks no key.
+    assert_eq!(curl(&addr, "/health", &[]).status, 200);
+}
+
+#[test]
+fn a_malformed_key_file_refuses_to_start_naming_the_line() {
+    let dir = tempfile_dir();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "sk-alpha 1\nsk-beta two\n").unwrap();
+    let mut server = start_synthetic(&["--api-keys", keys.to_str().unwrap()]);
+    server.wait_for("line 2", BOUND);
+    let deadline = std::time::Instant::now() + BOUND;
+    let status = loop {
+        if let Some(status) = server.try_wait() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "still running");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+}
+
+#[test]
+fn without_a_key_file_the_server_says_it_has_one_tenant() {
+    let server = start_synthetic(&[]);
+    // Said before the serving line.
+    server.wait_for("no --api-keys: every client is tenant 0", BOUND);
+    listen_addr(&server);
+}
+
+/// A raw HTTP/1.1 streamed request, read event by event.
+struct RawStream {
+    reader: BufReader<TcpStream>,
+}
+
+impl RawStream {
+    fn open(addr: &str, body: &str) -> RawStream {
+        let mut stream = TcpStream::connect(addr).expect("connect");
+        stream.set_read_timeout(Some(BOUND)).unwrap();
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).unwrap();
+        RawStream {
+            reader: BufReader::new(stream),
+        }
+    }
+
+    /// The next line that starts with `data: ` (chunked framing lines skipped).
+    fn next_data(&mut self) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self.reader.read_line(&mut line).expect("read the stream");
+            assert!(n > 0, "the stream ended early");
+            if let Some(data) = line.trim_end().strip_prefix("data: ") {
+                return data.to_string();
+            }
+        }
+    }
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_cancels_its_request() {
+    // One generation at a time: the next request is refused while this
+    // one runs and served once its client has gone.
+    let (server, addr) = synthetic_server(&["--max-clients", "1"]);
+    let long = json!({
+        "model": "synthetic",
+        "prompt": [1, 2, 3],
+        "max_tokens": 4000,
+        "stream": true,
+    })
+    .to_string();
+    let mut stream = RawStream::open(&addr, &long);
+    let first: Value = serde_json::from_str(&stream.next_data()).unwrap();
+    let id = first["id"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("cmpl-")
+        .unwrap()
+        .to_string();
+    stream.next_data();
+
+    let small = r#"{"model": "synthetic", "prompt": [1], "max_tokens": 1}"#;
+    let e = post(&addr, "/v1/completions", small, &[]).error(503);
+    assert_eq!(e["code"], "overloaded", "{e}");
+
+    drop(stream);
+    server.wait_for(
+        &format!("request {id} cancelled: its client went away"),
+        BOUND,
+    );
+    let deadline = std::time::Instant::now() + BOUND;
+    loop {
+        let answer = post(&addr, "/v1/completions", small, &[]);
+        if answer.status == 200 {
+            break;
+        }
+        answer.error(503);
+        assert!(std::time::Instant::now() < deadline, "capacity never freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A fresh directory under the target's temporary directory.
+fn tempfile_dir() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "serve-http-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A server of the default model (text, tokenizer, chat template).
+fn text_server(extra: &[&str]) -> (Server, String, String) {
+    let mut args = vec![
+        "--role",
+        "unified",
+        "--api",
+        "http",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let server = Server::start("serve-http", &args);
+    let line = server.wait_for("kvsan: serving", serve_common::START_BOUND);
+    let get = |key: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .unwrap_or_else(|| panic!("{key} on {line:?}"))
+            .to_string()
+    };
+    (server, get("listen="), get("model="))
+}
+
+#[test]
+fn a_chat_streams_text_and_tokenize_round_trips_over_curl() {
+    let (_server, addr, model) = text_server(&[]);
+    let chat = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": true,
+    });
+    let answer = post(&addr, "/v1/chat/completions", &chat.to_string(), &[]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let data = sse_data(&answer.body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut text = String::new();
+    for chunk in &chunks {
+        assert_eq!(chunk["object"], "chat.completion.chunk", "{chunk}");
+        if let Some(piece) = chunk["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(piece);
+        }
+    }
+    let reason = &chunks.last().unwrap()["choices"][0]["finish_reason"];
+    assert!(reason == "stop" || reason == "length", "{reason}");
+    assert!(!text.is_empty(), "the chat answered some text");
+
+    let tokens = post(&addr, "/tokenize", r#"{"prompt": "Hello world"}"#, &[]).json();
+    let ids = tokens["tokens"].clone();
+    assert_eq!(tokens["count"], ids.as_array().unwrap().len());
+    let back = post(
+        &addr,
+        "/detokenize",
+        &json!({ "tokens": ids }).to_string(),
+        &[],
+    )
+    .json();
+    assert_eq!(back["prompt"], "Hello world");
+}
+
+/// The `openai` package's exchange with the server (`python3` prints one
+/// JSON object with what it saw).
+const PYTHON_CLIENT: &str = r#"
+import json, sys
+import openai
+addr, model = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="sk-alpha", max_retries=0)
+seen = {"models": [m.id for m in client.models.list().data]}
+msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+seen["chat"] = {"text": chat.choices[0].message.content, "finish": chat.choices[0].finish_reason,
+                "usage": chat.usage.model_dump()}
+pieces, usage = [], None
+for chunk in client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}):
+    if chunk.choices and chunk.choices[0].delta.content:
+        pieces.append(chunk.choices[0].delta.content)
+    if chunk.usage:
+        usage = chunk.usage.model_dump()
+seen["chat_stream"] = {"text": "".join(pieces), "usage": usage}
+done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
+seen["completion"] = {"text": done.choices[0].text, "usage": done.usage.model_dump()}
+streamed = "".join(c.choices[0].text for c in client.completions.create(
+    model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True))
+seen["completion_stream"] = streamed
+try:
+    client.completions.create(model=model, prompt="x", n=2)
+    seen["n2"] = None
+except openai.BadRequestError as e:
+    seen["n2"] = e.status_code
+try:
+    openai.OpenAI(base_url=f"http://{addr}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    seen["wrong_key"] = None
+except openai.AuthenticationError as e:
+    seen["wrong_key"] = e.status_code
+print(json.dumps(seen))
+"#;
+
+#[test]
+fn the_openai_python_client_chats_and_completes_streamed_and_not() {
+    let has_openai = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        has_openai,
+        "the `openai` Python package is missing: python3 -m pip install openai (scripts/test does)"
+    );
+    let dir = tempfile_dir();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, "sk-alpha 1\n").unwrap();
+    let (_server, addr, model) = text_server(&["--api-keys", keys.to_str().unwrap()]);
+    let out = Command::new("python3")
+        .args(["-c", PYTHON_CLIENT, &addr, &model])
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "the Python client failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: Value = serde_json::from_slice(&out.stdout).expect("the client's JSON");
+    assert_eq!(seen["models"], json!([model]));
+    assert!(!seen["chat"]["text"].as_str().unwrap().is_empty(), "{seen}");
+    let usage = &seen["chat"]["usage"];
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+    );
+    // Greedy: the streamed answer is the same text, and its usage chunk came.
+    assert_eq!(seen["chat_stream"]["text"], seen["chat"]["text"], "{seen}");
+    assert_eq!(
+        seen["chat_stream"]["usage"], seen["chat"]["usage"],
+        "{seen}"
+    );
+    assert_eq!(
+        seen["completion_stream"], seen["completion"]["text"],
+        "{seen}"
+    );
+    let generated = seen["completion"]["usage"]["completion_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!((1..=6).contains(&generated), "{seen}");
+    assert_eq!(seen["n2"], 400);
+    assert_eq!(seen["wrong_key"], 401);
+}
