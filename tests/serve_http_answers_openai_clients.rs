@@ -523,3 +523,64 @@ fn the_openai_python_client_chats_and_completes_streamed_and_not() {
     assert_eq!(seen["n2"], 400);
     assert_eq!(seen["wrong_key"], 401);
 }
+
+/// A greedy completion's token ids from the server at `addr`.
+fn greedy_ids(addr: &str) -> Value {
+    let body =
+        json!({"model": "synthetic", "prompt": [3, 1, 4, 1, 5], "max_tokens": 6, "temperature": 0});
+    let answer = post(addr, "/v1/completions", &body.to_string(), &[]);
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    answer.json()["choices"][0]["token_ids"].clone()
+}
+
+#[test]
+fn disaggregated_roles_answer_over_http_as_the_unified_one_does() {
+    let (_unified, unified_addr) = synthetic_server(&[]);
+    let expected = greedy_ids(&unified_addr);
+
+    let (_disagg, disagg_addr) = {
+        let server = Server::start(
+            "serve-http-disagg",
+            &[
+                "--role",
+                "disagg",
+                "--synthetic",
+                "--api",
+                "http",
+                "--listen",
+                "127.0.0.1:0",
+            ],
+        );
+        let addr = listen_addr(&server);
+        (server, addr)
+    };
+    assert_eq!(greedy_ids(&disagg_addr), expected, "--role disagg");
+
+    let decode = Server::start(
+        "serve-http-decode",
+        &[
+            "--role",
+            "decode",
+            "--synthetic",
+            "--api",
+            "http",
+            "--listen",
+            "127.0.0.1:0",
+            "--peer-listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let addrs = decode.serving();
+    let peer = addrs.peer_listen.expect("peer-listen= on the serving line");
+    let _prefill = Server::start(
+        "serve-http-prefill",
+        &["--role", "prefill", "--synthetic", "--peer", &peer],
+    );
+    decode.wait_for("prefill node connected", serve_common::START_BOUND);
+    let decode_addr = addrs.listen.expect("listen= on the serving line");
+    assert_eq!(
+        greedy_ids(&decode_addr),
+        expected,
+        "--role decode + prefill"
+    );
+}
