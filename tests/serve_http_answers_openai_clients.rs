@@ -292,10 +292,14 @@ struct RawStream {
 
 impl RawStream {
     fn open(addr: &str, body: &str) -> RawStream {
+        Self::open_at(addr, "/v1/completions", body)
+    }
+
+    fn open_at(addr: &str, path: &str, body: &str) -> RawStream {
         let mut stream = TcpStream::connect(addr).expect("connect");
         stream.set_read_timeout(Some(BOUND)).unwrap();
         let request = format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         );
         stream.write_all(request.as_bytes()).unwrap();
@@ -359,6 +363,21 @@ fn a_client_that_disconnects_mid_stream_cancels_its_request() {
         assert!(std::time::Instant::now() < deadline, "capacity never freed");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn a_client_that_disconnects_before_a_whole_answer_cancels_its_request() {
+    let (server, addr) = synthetic_server(&["--max-clients", "1", "--synthetic-context", "65536"]);
+    let long = json!({"model": "synthetic", "prompt": [1, 2, 3], "max_tokens": 65000}).to_string();
+    let waiting = RawStream::open(&addr, &long);
+    // Refused while the long request holds the only place: it is in flight.
+    let small = r#"{"model": "synthetic", "prompt": [1], "max_tokens": 1}"#;
+    let deadline = std::time::Instant::now() + BOUND;
+    while post(&addr, "/v1/completions", small, &[]).status != 503 {
+        assert!(std::time::Instant::now() < deadline, "never in flight");
+    }
+    drop(waiting);
+    server.wait_for("cancelled: its client went away", BOUND);
 }
 
 /// A fresh directory under the target's temporary directory.
