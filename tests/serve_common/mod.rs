@@ -21,9 +21,19 @@ pub struct Server {
 #[allow(dead_code)] // each test binary uses its part
 impl Server {
     pub fn start(name: &'static str, args: &[&str]) -> Server {
+        Self::start_with_env(name, args, &[])
+    }
+
+    /// As [`Server::start`], with `env` added to the child's environment.
+    pub fn start_with_env(
+        name: &'static str,
+        args: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvsan"))
             .arg("serve")
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
