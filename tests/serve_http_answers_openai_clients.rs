@@ -603,3 +603,51 @@ fn disaggregated_roles_answer_over_http_as_the_unified_one_does() {
         "--role decode + prefill"
     );
 }
+
+#[test]
+fn a_stop_string_ends_the_text_before_it_with_finish_reason_stop() {
+    let (_server, addr, model) = text_server(&[]);
+    let complete = |stop: Option<&str>, stream: bool| {
+        let mut body = json!({
+            "model": model,
+            "prompt": "One, two, three,",
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": stream,
+        });
+        if let Some(stop) = stop {
+            body["stop"] = json!([stop]);
+        }
+        let answer = post(&addr, "/v1/completions", &body.to_string(), &[]);
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        if !stream {
+            let v = answer.json();
+            let choice = &v["choices"][0];
+            return (
+                choice["text"].as_str().unwrap().to_string(),
+                choice["finish_reason"].clone(),
+            );
+        }
+        let data = sse_data(&answer.body);
+        let mut text = String::new();
+        let mut reason = Value::Null;
+        for d in &data[..data.len() - 1] {
+            let chunk: Value = serde_json::from_str(d).unwrap();
+            text.push_str(chunk["choices"][0]["text"].as_str().unwrap());
+            reason = chunk["choices"][0]["finish_reason"].clone();
+        }
+        (text, reason)
+    };
+    // The stop string is taken from the model's own greedy answer, so the
+    // test does not depend on what the model says.
+    let (full, _) = complete(None, false);
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 6, "a long enough answer: {full:?}");
+    let stop: String = chars[3..6].iter().collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let (text, reason) = complete(Some(&stop), stream);
+        assert_eq!(text, before, "stream={stream}, stop {stop:?} in {full:?}");
+        assert_eq!(reason, "stop", "stream={stream}");
+    }
+}
