@@ -280,6 +280,11 @@ fn soak(deployment: Deployment, seed: u64) {
         0,
         "no lifecycle move refused as an engine bug on either node"
     );
+    assert_eq!(
+        running.both(|s| s.anomalies.total()),
+        0,
+        "the anomaly monitor flags no honest request"
+    );
     running.stop();
 }
 

@@ -194,6 +194,11 @@ fn soak_under(disaggregated: bool, under: &Under) {
     if let (Some(s), Some(e)) = (start.prefill, end.prefill) {
         assert_eq!(e.free_pages, s.free_pages, "prefill pages returned");
     }
+    assert_eq!(
+        end.front.anomalies.total(),
+        0,
+        "the anomaly monitor flags no honest request: {end:?}"
+    );
 }
 
 #[test]

@@ -4,12 +4,14 @@
 //! sanitizer's summary at SIGTERM counts zero violations. (A refusal would
 //! have to be a clean 503; with the default `--max-clients` there is none.)
 
+mod metrics_common;
 mod serve_common;
 mod shim_common;
 
 use std::process::Command;
 use std::time::Duration;
 
+use metrics_common::Scrape;
 use serde_json::{Value, json};
 use serve_common::Server;
 
@@ -109,6 +111,27 @@ fn concurrent_streams_under_the_shim_end_cleanly_with_zero_violations() {
     // --max-clients (256 by default) leaves room for all of them.
     let served = outcomes.iter().filter(|o| o.is_ok()).count();
     assert_eq!(served, STREAMS, "{outcomes:?}");
+
+    // The shim's own counters, through the C ABI, on /metrics.
+    let m = Scrape::of(&addr);
+    assert_eq!(
+        m.value("kvsan:sanitizer_attached", &[("target", "C hook table")]),
+        1.0
+    );
+    assert!(m.value("kvsan:checks_total", &[]) > 0.0);
+    for kind in kvsan_sanitizer::ViolationKind::ALL {
+        assert_eq!(
+            m.value("kvsan:violations_total", &[("kind", kind.name())]),
+            0.0
+        );
+    }
+    assert_eq!(
+        m.value(
+            "vllm:request_success_total",
+            &[("finished_reason", "length")]
+        ),
+        STREAMS as f64
+    );
 
     let pid = libc::pid_t::try_from(server.pid()).expect("pid");
     // SAFETY: kill takes a pid and a signal number; no memory is passed.

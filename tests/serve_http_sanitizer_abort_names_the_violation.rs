@@ -8,11 +8,13 @@
 //! the sanitizer aborts it (`terminal-request-activity`).
 #![cfg(feature = "faults")]
 
+mod metrics_common;
 mod serve_common;
 mod shim_common;
 
 use std::process::Command;
 
+use metrics_common::Scrape;
 use serde_json::{Value, json};
 use serve_common::Server;
 
@@ -76,4 +78,15 @@ fn a_sanitizer_abort_is_a_500_naming_the_violation_id_and_kind() {
         // The prompt's token ids are not in the answer.
         assert!(!answer.contains("1,2,3,4"), "{answer}");
     }
+    // Both aborts, as the shim counted them, on /metrics.
+    let m = Scrape::of(&addr);
+    let kind = [("kind", "terminal-request-activity")];
+    assert_eq!(m.value("kvsan:violations_total", &kind), 2.0);
+    assert_eq!(
+        m.value(
+            "vllm:request_success_total",
+            &[("finished_reason", "error")]
+        ),
+        2.0
+    );
 }

@@ -14,6 +14,7 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvsan_sanitizer::{NodeRole, RequestId};
 
 use crate::EngineError;
+use crate::anomaly::AnomalyAction;
 use crate::hooks::Hooks;
 use crate::model::{AttentionCheck, Model};
 use crate::node::decode::DecodeNode;
@@ -46,6 +47,8 @@ pub struct EngineConfig {
     pub check: AttentionCheck,
     /// The hook target.
     pub hooks: Hooks,
+    /// What the anomaly monitor does with a flagged request.
+    pub anomaly: AnomalyAction,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +64,7 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             check: default_check(&hooks),
             hooks,
+            anomaly: AnomalyAction::default(),
         }
     }
 }
@@ -98,15 +102,7 @@ impl EngineConfig {
         role: NodeRole,
         name: &str,
     ) -> Result<Executor, EngineError> {
-        Executor::new(
-            model,
-            pages,
-            self.page_slots,
-            role,
-            name,
-            self.hooks.clone(),
-            self.check,
-        )
+        Executor::new(model, pages, role, name, self)
     }
 
     /// The context served, checked against the model's.

@@ -9,6 +9,7 @@
 //! | `kv_pool` | pages, generations, the free list, quarantine, poison |
 //! | `kv_access` | the one way the forward pass reaches the pool: the step's batch arrays and the guard its kernels check with |
 //! | `node` | the nodes (unified, prefill, decode), each request's state machine on a node (`lifecycle.rs`: the one place a request's state is set, every move checked legal, its lifecycle event reported once), the step executor (`executor.rs`: a node's pool, model and lifecycle; pages for a step and one forward pass over its batch), the step loop the nodes share (`step_loop.rs`: plan, execute, apply each row's outcome), the batch builder (`batch.rs`), the scheduler (`scheduler.rs`: continuous batching, chunked prefill, preemption), admission, sequences |
+//! | `anomaly` | the anomaly monitor: a first token that came with KV for fewer positions than the prompt (`short-kv`), or far faster per prompt token than the node computes (`fast-first-token`) — with or without a sanitizer |
 //! | `hooks` | the dispatch to a sanitizer: none, in-process, or a C hook table |
 //! | `transport` | prefill ↔ decode messages and links: in-process, TCP, RDMA |
 //! | `engine` | the serving engine a client submits to |
@@ -17,6 +18,7 @@
 //! | `error` | [`EngineError`], which wraps each subsystem's own type, each in a file of `error/` named after its subsystem: `GgufError`, `TokenizerError` (the chat template's too), `FetchError`, `PoolError`, `WireError`, `RdmaError` (feature `rdma`); each subsystem re-exports its own, and imports it from here, never the other way |
 #![warn(missing_docs)]
 
+pub mod anomaly;
 pub mod chat;
 pub mod engine;
 pub mod error;

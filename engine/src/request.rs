@@ -52,6 +52,9 @@ pub enum ErrorKind {
     InvalidRequest,
     /// The engine is shutting down or failed internally.
     Internal,
+    /// Ended by the anomaly monitor (`--anomaly abort`): the message names
+    /// what it saw ([`crate::anomaly`]).
+    Anomaly,
 }
 
 impl ErrorKind {
@@ -66,6 +69,7 @@ impl ErrorKind {
             ErrorKind::Transport => "transport",
             ErrorKind::InvalidRequest => "invalid-request",
             ErrorKind::Internal => "internal",
+            ErrorKind::Anomaly => "anomaly",
         }
     }
 }
@@ -82,6 +86,23 @@ pub struct Rejection {
     /// The node that rejected it (`unified`, `prefill`, `decode`).
     pub node: String,
 }
+
+impl Rejection {
+    /// The kind of limit broken: `"context"` (prompt + `max_tokens` over
+    /// the context window) or `"pool"` (the prompt over a node's KV pool) —
+    /// a metric label.
+    #[must_use]
+    pub fn limit_kind(&self) -> &'static str {
+        if self.reason.ends_with(CONTEXT_REASON) {
+            "context"
+        } else {
+            "pool"
+        }
+    }
+}
+
+/// How a rejection's `reason` for the context window ends.
+pub(crate) const CONTEXT_REASON: &str = "exceeds the context window";
 
 /// A request's error, as the client sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -491,7 +491,7 @@ impl Scenario {
             Topology::Disaggregated => Engine::disaggregated(model.clone(), &cfg)?,
             Topology::Unified => Engine::unified(model.clone(), &cfg)?,
         };
-        self.drive_injecting(&engine, victim_seed, inject)
+        self.run_on(&engine, victim_seed, inject)
     }
 
     /// As [`Scenario::run`], on a deployment whose prefill node has hooks of
@@ -531,7 +531,7 @@ impl Scenario {
             })
             .map_err(|e| EngineError::io("scenario", "spawn the prefill node", e))?;
         engine.attach_prefill(Box::new(pair.to_prefill), pair.decode_inbox);
-        let run = self.drive_injecting(&engine, victim_seed, inject);
+        let run = self.run_on(&engine, victim_seed, inject);
         drop(engine);
         control.shutdown();
         prefill.join().map_err(|_| EngineError::Config {
@@ -540,8 +540,13 @@ impl Scenario {
         run
     }
 
-    /// Drives the script on `engine` with the fault switch set for the run.
-    fn drive_injecting(
+    /// Drives the script on `engine` (built from [`Scenario::config`], with
+    /// any settings of the caller's own) with the fault switch set for the
+    /// run, as [`Scenario::run`] does.
+    ///
+    /// # Errors
+    /// An injection asked of a build without fail points.
+    pub fn run_on(
         &self,
         engine: &Engine,
         victim_seed: u32,

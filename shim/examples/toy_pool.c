@@ -134,5 +134,13 @@ int main(void) {
     ok(kvsan_summary(summary, sizeof summary, &len), "summary");
     printf("violations: %" PRIu64 "\nsummary: %s\n", count, summary);
     if (count != 1) failures++;
+    /* The one violation is a stale read (code 0, "stale-read"), and the
+     * checks behind it were counted. */
+    uint64_t stale = 0, other = 0, checks = 0;
+    ok(kvsan_violation_count_of(pv.kind, &stale), "violation_count_of");
+    ok(kvsan_violation_count_of(pv.kind + 1, &other), "violation_count_of");
+    ok(kvsan_check_count(&checks), "check_count");
+    printf("stale reads: %" PRIu64 ", checks: %" PRIu64 "\n", stale, checks);
+    if (stale != 1 || other != 0 || checks == 0) failures++;
     return failures == 0 ? 0 : 1;
 }

@@ -318,6 +318,12 @@ int32_t kvsan_transfer_commit(uint32_t pool, KvsanOwner owner, const KvsanPageRe
 
 /* Violations counted so far. */
 int32_t kvsan_violation_count(uint64_t *count_out);
+/* Violations of kind `kind` (a KvsanVerdict.kind code) counted so far;
+ * KVSAN_ERR_INVALID_ARGUMENT for a code this library does not define. */
+int32_t kvsan_violation_count_of(uint32_t kind, uint64_t *count_out);
+/* Checks performed so far (pages read-checked, writes and stores,
+ * transfers, allocations, frees). */
+int32_t kvsan_check_count(uint64_t *count_out);
 /* The summary line ("kvsan: N violations (kind: n, ...)") into buf,
  * truncated and NUL-terminated; its full length in *len_out. */
 int32_t kvsan_summary(char *buf, size_t buf_len, size_t *len_out);

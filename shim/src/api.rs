@@ -282,6 +282,50 @@ pub unsafe extern "C" fn kvsan_violation_count(count_out: *mut u64) -> AbiStatus
     })
 }
 
+/// Writes the violations of kind `kind` (a `KvsanVerdict.kind` code)
+/// counted so far.
+///
+/// # Safety
+/// - `count_out` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvsan_violation_count_of(kind: u32, count_out: *mut u64) -> AbiStatus {
+    const CALL: &str = "kvsan_violation_count_of";
+    status(CALL, || {
+        if count_out.is_null() {
+            return Err(null(CALL, "count_out"));
+        }
+        let kind = ViolationKind::from_code(kind).ok_or(ShimError::InvalidArgument {
+            call: CALL,
+            argument: "kind",
+            value: u64::from(kind),
+            allowed: "a violation kind's code (kvsan_violation_kind_name names them)",
+        })?;
+        let n = sanitizer()?.count(kind);
+        // SAFETY: non-null, writable by the caller's contract.
+        unsafe { count_out.write_unaligned(n) };
+        Ok(())
+    })
+}
+
+/// Writes the checks performed so far (pages read-checked, writes and
+/// stores, transfers, allocations, frees).
+///
+/// # Safety
+/// - `count_out` is null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvsan_check_count(count_out: *mut u64) -> AbiStatus {
+    const CALL: &str = "kvsan_check_count";
+    status(CALL, || {
+        if count_out.is_null() {
+            return Err(null(CALL, "count_out"));
+        }
+        let n = sanitizer()?.checks().total();
+        // SAFETY: non-null, writable by the caller's contract.
+        unsafe { count_out.write_unaligned(n) };
+        Ok(())
+    })
+}
+
 /// Copies `text` into `buf[0..buf_len]`, truncated and NUL-terminated;
 /// returns `text`'s full length.
 ///

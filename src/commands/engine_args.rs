@@ -1,7 +1,9 @@
 //! The engine flags `generate` and `serve` share: pool sizes, page size,
-//! step limits, and `--inject` (fault injection, builds with `faults`).
+//! step limits, `--inject` (fault injection, builds with `faults`) and
+//! `--anomaly`.
 
 use anyhow::Context;
+use kvsan_engine::anomaly::AnomalyAction;
 use kvsan_engine::engine::EngineConfig;
 use kvsan_engine::faults::{self, Fault};
 use kvsan_engine::hooks::Hooks;
@@ -40,6 +42,22 @@ pub struct EngineArgs {
     /// Only builds with `--features faults` have the fail points.
     #[arg(long, value_name = "FAULT", value_delimiter = ',', value_parser = parse_fault)]
     pub inject: Vec<Fault>,
+    /// What the anomaly monitor does with a request whose first token came
+    /// with KV for fewer positions than its prompt, or far faster per
+    /// prompt token than the node computes: count and log it, or also
+    /// abort it.
+    #[arg(long, value_enum, default_value_t = Anomaly::Log)]
+    pub anomaly: Anomaly,
+}
+
+/// `--anomaly`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Anomaly {
+    /// Count (`kvsan:anomalies_total`) and log the request; it goes on.
+    Log,
+    /// Count, log, and end the request with an `anomaly` error before its
+    /// first token leaves.
+    Abort,
 }
 
 impl EngineArgs {
@@ -74,6 +92,10 @@ impl EngineArgs {
             },
             check,
             hooks,
+            anomaly: match self.anomaly {
+                Anomaly::Log => AnomalyAction::Log,
+                Anomaly::Abort => AnomalyAction::Abort,
+            },
         })
     }
 }

@@ -189,6 +189,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             tenants: tenants.unwrap_or_else(http::api_keys::Tenants::single),
             model_id,
             context_length,
+            hooks: cfg.hooks.clone(),
         },
     };
     run_front(args, engine, text, peers, api)
@@ -201,6 +202,8 @@ enum FrontApi {
         tenants: http::api_keys::Tenants,
         model_id: String,
         context_length: usize,
+        /// The sanitizer whose counters `/metrics` shows.
+        hooks: Hooks,
     },
 }
 
@@ -430,17 +433,21 @@ fn run_front(
             tenants,
             model_id,
             context_length,
+            hooks,
         } => {
             eprintln!("kvsan: {}", tenants.describe());
             eprintln!("{line} api=http model={model_id}");
-            let front = http::Front::new(
-                engine,
+            let served = http::Served {
                 text,
                 model_id,
                 context_length,
-                tenants,
-                args.max_clients,
-            );
+                front_node: if args.role == Role::Unified {
+                    "unified"
+                } else {
+                    "decode"
+                },
+            };
+            let front = http::Front::new(engine, served, hooks, tenants, args.max_clients);
             http::serve(clients, front)
         }
     }

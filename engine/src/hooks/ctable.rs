@@ -46,6 +46,11 @@
 //!   kind); the kind the engine shows is the one the hook's own check is
 //!   named after ([`Hook::main_violation`]: `stale-read` for `read`,
 //!   `write-after-free` for `transfer_recv`, …), and the raw index is logged.
+//!
+//! Besides the table, a library may export two counters, looked up the same
+//! way and used when both are there ([`KvHooks::counters`], an operator's
+//! metrics): `int32_t kvsan_violation_count_of(uint32_t kind, uint64_t *out)`
+//! and `int32_t kvsan_check_count(uint64_t *out)` (0 on success).
 
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -56,7 +61,7 @@ use kvsan_sanitizer::{
     ViolationId, ViolationKind,
 };
 
-use super::{HookSettings, KvHooks};
+use super::{HookSettings, KvHooks, SanitizerCounters};
 use crate::EngineError;
 
 // The C ABI types and constants live with the sanitizer (the ABI is the
@@ -71,6 +76,62 @@ pub struct CTableHooks {
     /// The minor version the library declared.
     minor: u16,
     errors: AtomicU64,
+    /// The library's counters, when it exports them.
+    counts: Option<CountFns>,
+}
+
+/// `kvsan_violation_count_of(kind, out)`.
+type ViolationCountOfFn = unsafe extern "C" fn(u32, *mut u64) -> i32;
+/// `kvsan_check_count(out)`.
+type CheckCountFn = unsafe extern "C" fn(*mut u64) -> i32;
+
+/// The counter functions a library exports next to its table.
+#[derive(Clone, Copy, Debug)]
+struct CountFns {
+    violations_of: ViolationCountOfFn,
+    checks: CheckCountFn,
+}
+
+impl CountFns {
+    /// Both functions, looked up with `dlsym(RTLD_DEFAULT, …)`, or `None`.
+    fn find() -> Option<CountFns> {
+        let look = |name: &CStr| {
+            // SAFETY: RTLD_DEFAULT is a valid pseudo-handle and `name` is
+            // NUL-terminated.
+            let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+            (!address.is_null()).then_some(address)
+        };
+        let violations_of = look(c"kvsan_violation_count_of")?;
+        let checks = look(c"kvsan_check_count")?;
+        // SAFETY: a library exporting these names promises (module
+        // documentation) these signatures; a function pointer and a data
+        // pointer have one size on the platforms dlsym serves.
+        unsafe {
+            Some(CountFns {
+                violations_of: std::mem::transmute::<*mut libc::c_void, ViolationCountOfFn>(
+                    violations_of,
+                ),
+                checks: std::mem::transmute::<*mut libc::c_void, CheckCountFn>(checks),
+            })
+        }
+    }
+
+    fn read(self) -> Option<SanitizerCounters> {
+        let mut checks = 0u64;
+        // SAFETY: the library's function, given a writable u64.
+        if unsafe { (self.checks)(&raw mut checks) } != 0 {
+            return None;
+        }
+        let violations = ViolationKind::ALL
+            .iter()
+            .map(|k| {
+                let mut n = 0u64;
+                // SAFETY: as above; `k.code()` is a kind this engine knows.
+                (unsafe { (self.violations_of)(k.code(), &raw mut n) } == 0).then_some(n)
+            })
+            .collect::<Option<Vec<u64>>>()?;
+        Some(SanitizerCounters { violations, checks })
+    }
 }
 
 // SAFETY: the table's contract (module documentation) is that its hooks may
@@ -112,7 +173,10 @@ impl CTableHooks {
         // SAFETY: the pointer comes from the library's getter, which promises
         // a table of at least its declared `size` bytes, or null.
         match unsafe { CTableHooks::from_raw(table) } {
-            Ok(hooks) => Some(hooks),
+            Ok(hooks) => Some(CTableHooks {
+                counts: CountFns::find(),
+                ..hooks
+            }),
             Err(e) => {
                 eprintln!(
                     "kvsan: hook table `{}` not attached: {e}",
@@ -206,6 +270,7 @@ impl CTableHooks {
             minor: copy.version_minor,
             table: copy,
             errors: AtomicU64::new(0),
+            counts: None,
         })
     }
 
@@ -404,5 +469,9 @@ impl KvHooks for CTableHooks {
             poison: self.table.flags & KVSAN_FLAG_POISON != 0,
             quarantine_pages: self.table.quarantine_pages,
         }
+    }
+
+    fn counters(&self) -> Option<SanitizerCounters> {
+        self.counts?.read()
     }
 }

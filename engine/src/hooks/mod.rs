@@ -91,6 +91,12 @@ macro_rules! define_kv_hooks {
             /// Writes the target's end-of-run summary (`kvsan: N violations`), if it
             /// keeps one.
             fn print_summary(&self) {}
+
+            /// The target's counts so far (violations by kind, checks), if it
+            /// keeps them: what an operator's metrics show.
+            fn counters(&self) -> Option<SanitizerCounters> {
+                None
+            }
         }
 
         $(dispatch! { [$(#[$attr])*] $method($($arg: $ty),*) -> $($answer)+ })*
@@ -124,6 +130,16 @@ macro_rules! dispatch {
 }
 
 kvsan_sanitizer::for_each_hook!(engine => define_kv_hooks);
+
+/// A target's counts so far.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SanitizerCounters {
+    /// Violations of each kind, indexed by [`kvsan_sanitizer::ViolationKind::index`].
+    pub violations: Vec<u64>,
+    /// Checks performed (pages read-checked, writes and stores, transfers,
+    /// allocations, frees: [`kvsan_sanitizer::Checks::total`]).
+    pub checks: u64,
+}
 
 /// What a target asks the engine to do with freed pages — the checks only
 /// the engine can add, because only it touches KV bytes.
@@ -303,6 +319,12 @@ impl Hooks {
         if let Some(t) = &self.target {
             t.print_summary();
         }
+    }
+
+    /// See [`KvHooks::counters`]; `None` without a target.
+    #[must_use]
+    pub fn counters(&self) -> Option<SanitizerCounters> {
+        self.target.as_ref()?.counters()
     }
 
     /// See [`KvHooks::pool_register`]. Without a target, `fallback` (pool ids

@@ -16,7 +16,7 @@ use kvsan_sanitizer::{
     SanitizerError, Verdict,
 };
 
-use super::{HookSettings, KernelShadowHandle, KvHooks};
+use super::{HookSettings, KernelShadowHandle, KvHooks, SanitizerCounters};
 
 /// Errors logged in full before the adapter only counts them.
 const LOGGED_ERRORS: u64 = 16;
@@ -184,5 +184,15 @@ impl KvHooks for SanitizerHooks {
 
     fn print_summary(&self) {
         self.sanitizer.print_summary();
+    }
+
+    fn counters(&self) -> Option<SanitizerCounters> {
+        Some(SanitizerCounters {
+            violations: kvsan_sanitizer::ViolationKind::ALL
+                .iter()
+                .map(|&k| self.sanitizer.count(k))
+                .collect(),
+            checks: self.sanitizer.checks().total(),
+        })
     }
 }

@@ -2,7 +2,7 @@
 //! or sends anything — when it cannot fit the context or a pool.
 
 use crate::model::Model;
-use crate::request::{ErrorKind, Rejection, Request, RequestError};
+use crate::request::{CONTEXT_REASON, ErrorKind, Rejection, Request, RequestError};
 
 /// A limit a request's prompt must fit.
 pub(crate) struct PoolLimit<'a> {
@@ -49,7 +49,7 @@ pub(crate) fn check(
     if total > context {
         return Err(RequestError::rejected(Rejection {
             reason: format!(
-                "prompt + max_tokens ({prompt} + {}) exceeds the context window",
+                "prompt + max_tokens ({prompt} + {}) {CONTEXT_REASON}",
                 request.max_tokens
             ),
             prompt_tokens: prompt,

@@ -504,6 +504,17 @@ impl DecodeNode {
             return;
         }
         self.unpack(&manifest, &payload);
+        // What landed, for the anomaly monitor.
+        let layers = self.core.model.config().n_layers;
+        if let Some(seq) = self.awaiting_kv.get_mut(&id) {
+            seq.kv.record(
+                manifest.first_token as usize,
+                manifest.tokens as usize,
+                manifest.layers.start as usize..manifest.layers.end as usize,
+                seq.prompt_len,
+                layers,
+            );
+        }
     }
 
     /// Fault `free-during-transfer`: the KV of a request cancelled while
@@ -716,6 +727,10 @@ impl DecodeNode {
     /// A committed request takes its first token: it joins the running
     /// batch, or ends with that token.
     fn start_decoding(&mut self, mut seq: Sequence, first_token: u32) {
+        if let Some(e) = self.core.first_token_anomaly(&seq) {
+            fail(&mut self.core, seq, e);
+            return;
+        }
         seq.computed = seq.prompt_len;
         match seq.push_token(first_token) {
             Some(reason) => step_loop::finish(&mut self.core, seq, reason),
@@ -862,6 +877,7 @@ mod tests {
     use kvsan_sanitizer::{NodeRole, PoolId, RequestId, TenantId};
 
     use super::*;
+    use crate::engine::EngineConfig;
     use crate::hooks::Hooks;
     use crate::model::{AttentionCheck, SyntheticSpec};
     use crate::node::scheduler::SchedulerConfig;
@@ -891,14 +907,19 @@ mod tests {
             .build()
             .unwrap(),
         );
+        let cfg = EngineConfig {
+            page_slots: PAGE_SLOTS,
+            hooks: Hooks::none(),
+            check: AttentionCheck::Unchecked,
+            anomaly: crate::anomaly::AnomalyAction::Abort,
+            ..EngineConfig::default()
+        };
         let core = Executor::new(
             model.clone(),
             CONTEXT / PAGE_SLOTS,
-            PAGE_SLOTS,
             NodeRole::Decode,
             "decode",
-            Hooks::none(),
-            AttentionCheck::Unchecked,
+            &cfg,
         )
         .unwrap();
         let (tx, _) = unbounded();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId};
 
+use crate::anomaly::{AnomalyCounts, FirstToken, Monitor};
 use crate::faults::{self, Fault};
 use crate::hooks::{Hooks, KernelShadowHandle};
 use crate::kv_access::{KvAccess, RowFault};
@@ -39,6 +40,10 @@ pub struct NodeStats {
     /// Lifecycle moves refused as engine bugs since start (0 in a correct
     /// engine; each is logged).
     pub illegal_transitions: u64,
+    /// Freed pages held in quarantine now (counted in `free_pages`).
+    pub quarantined_pages: usize,
+    /// Requests the anomaly monitor flagged since start, by kind.
+    pub anomalies: AnomalyCounts,
 }
 
 /// A sequence's share of one step: `n` new tokens from `computed`.
@@ -78,6 +83,8 @@ pub(crate) struct Executor {
     pub name: String,
     pub step: u64,
     pub stats: NodeStats,
+    /// Checks each request at its first token.
+    pub monitor: Monitor,
     batch: BatchBuilder,
 }
 
@@ -131,16 +138,16 @@ fn row_error(node: &str, fault: &RowFault) -> RequestError {
 }
 
 impl Executor {
-    /// A node named `name` with a pool of `n_pages` pages of `page_slots` slots.
+    /// A node named `name` with a pool of `n_pages` pages, with `cfg`'s
+    /// page size, hooks, attention check and anomaly action.
     pub fn new(
         model: Arc<Model>,
         n_pages: usize,
-        page_slots: usize,
         role: NodeRole,
         name: &str,
-        hooks: Hooks,
-        check: AttentionCheck,
+        cfg: &crate::engine::EngineConfig,
     ) -> Result<Executor, crate::EngineError> {
+        let (page_slots, hooks) = (cfg.page_slots, cfg.hooks.clone());
         let geometry = model.kv_geometry(page_slots);
         let mut pool = KvPool::new(geometry, n_pages)?;
         pool.set_quarantine(hooks.quarantine_pages() as usize);
@@ -172,9 +179,10 @@ impl Executor {
             hooks,
             lifecycle,
             kernel_shadow,
-            check,
+            check: cfg.check,
             name: name.to_string(),
             step: 0,
+            monitor: Monitor::new(cfg.anomaly),
             batch: BatchBuilder::new(width),
         })
     }
@@ -206,6 +214,19 @@ impl Executor {
         Ok(true)
     }
 
+    /// The anomaly monitor's check of `seq` as its first token is about to
+    /// leave: the error to end it with when it is flagged and the node
+    /// aborts what it flags.
+    pub fn first_token_anomaly(&mut self, seq: &Sequence) -> Option<RequestError> {
+        let seen = FirstToken {
+            owner: seq.owner,
+            prompt_tokens: seq.prompt_len,
+            kv_tokens: seq.kv.positions(),
+            elapsed: seq.arrived.elapsed(),
+        };
+        self.monitor.first_token(&self.name, seen)
+    }
+
     /// Returns every page of `seq` to the pool.
     pub fn release(&mut self, seq: &mut Sequence) {
         // Last page first: the free list is a stack, so the next request
@@ -221,6 +242,7 @@ impl Executor {
             self.free_page(seq.owner, page);
         }
         seq.computed = 0;
+        seq.kv.clear();
     }
 
     /// Returns one page of `owner` to the pool, unless the free hook refuses
@@ -356,6 +378,10 @@ impl Executor {
                 continue;
             }
             let s = &mut seqs[plan[i].seq];
+            if s.computed < s.prompt_len {
+                let layers = self.model.config().n_layers;
+                s.kv.record(s.computed, plan[i].n, 0..layers, s.prompt_len, layers);
+            }
             s.computed += plan[i].n;
             let token = match row_logits {
                 Some(l) if self.hooks.poison() && l.iter().any(|v| v.is_nan()) => {

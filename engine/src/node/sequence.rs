@@ -1,9 +1,12 @@
 //! A request as a node holds it: its tokens, pages, sampler and the channel
 //! its events go to.
 
+use std::time::Instant;
+
 use crossbeam_channel::Sender;
 use kvsan_sanitizer::{BlockTable, Owner};
 
+use crate::anomaly::KvCoverage;
 use crate::request::{Event, FinishReason, RequestError};
 use crate::sampler::Sampler;
 
@@ -33,6 +36,11 @@ pub(crate) struct Sequence {
     /// Fault `reject-as-placeholder`: the prompt was rejected and replaced
     /// by a one-token placeholder that is sent to prefill instead.
     pub placeholder: bool,
+    /// When the request reached this node.
+    pub arrived: Instant,
+    /// The prompt KV this node computed or received for it (the anomaly
+    /// monitor's count, kept apart from `computed`).
+    pub kv: KvCoverage,
 }
 
 impl Sequence {

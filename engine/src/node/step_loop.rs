@@ -35,6 +35,8 @@ pub(crate) fn new_sequence(
         events,
         admitted_at: 0,
         placeholder: false,
+        arrived: std::time::Instant::now(),
+        kv: crate::anomaly::KvCoverage::default(),
     })
 }
 
@@ -103,6 +105,12 @@ pub(crate) fn apply_outcomes(
         match outcome {
             ChunkOutcome::Done(None) | ChunkOutcome::NotRun => {}
             ChunkOutcome::Done(Some(token)) => {
+                if seq.generated() == 0
+                    && let Some(e) = core.first_token_anomaly(seq)
+                {
+                    ended.push((p.seq, End::Failed(e)));
+                    continue;
+                }
                 if let Err(e) = core.lifecycle.token_sampled(seq.owner) {
                     ended.push((p.seq, End::Failed(e.into())));
                     continue;
@@ -164,6 +172,8 @@ pub(crate) fn stats(core: &Executor, sched: &Scheduler) -> crate::node::NodeStat
     s.running = sched.running.len();
     s.waiting = sched.waiting.len();
     s.illegal_transitions = core.lifecycle.illegal_transitions();
+    s.quarantined_pages = core.pool.quarantined_pages();
+    s.anomalies = core.monitor.counts();
     s
 }
 

@@ -134,6 +134,11 @@ int main(void) {
 
     /* queries */
     EXPECT(kvsan_violation_count(NULL), KVSAN_ERR_NULL);
+    EXPECT(kvsan_violation_count_of(0, NULL), KVSAN_ERR_NULL);
+    uint64_t of = 99;
+    EXPECT(kvsan_violation_count_of(100000, &of), KVSAN_ERR_INVALID_ARGUMENT);
+    CHECK(of == 99);
+    EXPECT(kvsan_check_count(NULL), KVSAN_ERR_NULL);
     EXPECT(kvsan_summary(msg, sizeof msg, NULL), KVSAN_ERR_NULL);
     size_t len = 0;
     EXPECT(kvsan_summary(NULL, 4, &len), KVSAN_ERR_NULL);

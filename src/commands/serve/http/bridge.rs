@@ -18,6 +18,8 @@ use kvsan_engine::request::{Event, Request};
 use kvsan_sanitizer::RequestId;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
+use super::metrics::{Metrics, RequestMetrics};
+
 /// A request in the engine, seen from async code.
 pub struct Generation {
     /// The engine's id of the request.
@@ -28,11 +30,20 @@ pub struct Generation {
     ended: bool,
     /// The server's capacity this request takes, given back on drop.
     _permit: OwnedSemaphorePermit,
+    /// Its metrics, recorded as its events pass (a drop before the end
+    /// counts as an abort).
+    metrics: RequestMetrics,
 }
 
 impl Generation {
     /// Submits `request` and starts forwarding its events.
-    pub fn start(engine: &Arc<Engine>, request: Request, permit: OwnedSemaphorePermit) -> Self {
+    pub fn start(
+        engine: &Arc<Engine>,
+        request: Request,
+        permit: OwnedSemaphorePermit,
+        metrics: &Arc<Metrics>,
+    ) -> Self {
+        let metrics = metrics.request(request.prompt.len());
         let handle = engine.submit(request);
         let (tx, rx) = mpsc::unbounded_channel();
         let events = handle.events;
@@ -51,6 +62,7 @@ impl Generation {
             engine: engine.clone(),
             ended: false,
             _permit: permit,
+            metrics,
         }
     }
 
@@ -64,6 +76,10 @@ impl Generation {
         if matches!(event, None | Some(Event::Finished { .. } | Event::Error(_))) {
             self.ended = true;
         }
+        match &event {
+            Some(e) => self.metrics.event(e),
+            None => self.metrics.end("error"),
+        }
         event
     }
 
@@ -73,6 +89,7 @@ impl Generation {
         if !self.ended {
             self.ended = true;
             self.engine.cancel(self.id);
+            self.metrics.end("stop");
         }
     }
 }

@@ -64,7 +64,12 @@ async fn generate(
     let permit = front.admit()?;
     let prompt_tokens = job.prompt.len();
     let (stream, include_usage, stops) = (job.stream, job.include_usage, job.stop.clone());
-    let mut generation = Generation::start(&front.engine, job.request(front, tenant), permit);
+    let mut generation = Generation::start(
+        &front.engine,
+        job.request(front, tenant),
+        permit,
+        &front.metrics,
+    );
     let first = match generation.next().await {
         None => return Err(ApiError::engine_stopped()),
         Some(Event::Error(e)) => return Err(ApiError::from_request(&e)),

@@ -123,14 +123,19 @@ impl ApiError {
         )
     }
 
-    /// 500: the engine's stream ended without the request's end.
-    pub fn engine_stopped() -> Self {
+    /// 500: the server failed to do what it should (`message` says what).
+    pub fn internal(message: &str) -> Self {
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",
             "internal",
-            "the engine stopped before the request ended".into(),
+            message.into(),
         )
+    }
+
+    /// 500: the engine's stream ended without the request's end.
+    pub fn engine_stopped() -> Self {
+        Self::internal("the engine stopped before the request ended")
     }
 
     /// The answer to a request the engine ended with `e`.
@@ -143,7 +148,7 @@ impl ApiError {
             ErrorKind::Transport | ErrorKind::Cancelled => {
                 (StatusCode::SERVICE_UNAVAILABLE, "server_error")
             }
-            ErrorKind::Violation | ErrorKind::Internal => {
+            ErrorKind::Violation | ErrorKind::Internal | ErrorKind::Anomaly => {
                 (StatusCode::INTERNAL_SERVER_ERROR, "server_error")
             }
         };

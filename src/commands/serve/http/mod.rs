@@ -14,6 +14,7 @@
 //! | `tokenize.rs` | `/tokenize`, `/detokenize` |
 //! | `api_keys.rs` | `--api-keys FILE`: tenants from `Authorization: Bearer KEY` |
 //! | `error.rs` | `{"error": {message, type, code, param}}` and statuses |
+//! | `metrics.rs` | `/metrics`: Prometheus metrics, vLLM's names and kvsan's |
 //!
 //! Capacity: at most `--max-clients` generations are in flight; one more is
 //! answered 503 at once (with `Retry-After`), never queued without bound.
@@ -23,6 +24,7 @@ pub mod api_keys;
 mod bridge;
 mod completions;
 mod error;
+mod metrics;
 mod openai;
 mod prompt;
 mod routes;
@@ -39,6 +41,7 @@ use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::serve::ListenerExt;
 use kvsan_engine::engine::Engine;
+use kvsan_engine::hooks::Hooks;
 use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -63,23 +66,40 @@ pub struct Front {
     max_in_flight: usize,
     /// Unix seconds at start (`/v1/models`' `created`).
     started: u64,
+    /// What `/metrics` shows.
+    metrics: Arc<metrics::Metrics>,
+}
+
+/// What the front end serves: the model, its name and context window.
+pub struct Served {
+    /// Its tokenizer and chat template, when it has them.
+    pub text: Option<Arc<TextSide>>,
+    /// The name clients give as `model`.
+    pub model_id: String,
+    /// The context window, in tokens.
+    pub context_length: usize,
+    /// The node clients' requests enter: `unified` or `decode`.
+    pub front_node: &'static str,
 }
 
 impl Front {
-    /// A front end for `engine` serving the model `model_id`.
+    /// A front end for `engine` serving `served`, whose sanitizer (if any)
+    /// is behind `hooks`.
     pub fn new(
         engine: Arc<Engine>,
-        text: Option<Arc<TextSide>>,
-        model_id: String,
-        context_length: usize,
+        served: Served,
+        hooks: Hooks,
         tenants: Tenants,
         max_in_flight: usize,
     ) -> Front {
+        let metrics =
+            metrics::Metrics::new(engine.clone(), served.front_node, hooks, &served.model_id);
         Front {
             engine,
-            text,
-            model_id,
-            context_length,
+            text: served.text,
+            model_id: served.model_id,
+            context_length: served.context_length,
+            metrics: Arc::new(metrics),
             tenants,
             capacity: Arc::new(Semaphore::new(max_in_flight)),
             max_in_flight,

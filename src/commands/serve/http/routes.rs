@@ -2,6 +2,7 @@
 //!
 //! ```text
 //!  GET  /health                 200 while the server runs (no key asked)
+//!  GET  /metrics                Prometheus metrics (no key asked: metrics.rs)
 //!  GET  /v1/models              the served model
 //!  POST /v1/completions         completions.rs
 //!  POST /v1/chat/completions    completions.rs
@@ -16,7 +17,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::json;
@@ -28,6 +29,7 @@ use super::{Front, completions, json_body, tokenize};
 pub fn router(front: Arc<Front>) -> Router {
     Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat))
@@ -40,6 +42,18 @@ pub fn router(front: Arc<Front>) -> Router {
 
 async fn health() -> StatusCode {
     StatusCode::OK
+}
+
+/// The metrics, rendered off the async threads (reading the engine's
+/// counters waits for its nodes).
+async fn metrics(State(front): State<Arc<Front>>) -> Response {
+    let metrics = front.metrics.clone();
+    match tokio::task::spawn_blocking(move || metrics.render()).await {
+        Ok(Ok(text)) => {
+            ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text).into_response()
+        }
+        _ => ApiError::internal("the metrics could not be rendered").into_response(),
+    }
 }
 
 async fn models(State(front): State<Arc<Front>>, headers: HeaderMap) -> Response {

@@ -1,0 +1,384 @@
+//! The anomaly monitor: what a node can tell about a request at its first
+//! token, with or without a sanitizer attached.
+//!
+//! The incident's signature was a first token computed from one token of KV
+//! for a prompt of 1,100: the prompt had been replaced by a placeholder,
+//! prefill computed and sent KV for the placeholder, and decode committed
+//! the whole reservation as if it held the prompt. Two things a node sees
+//! give that away without any shadow state:
+//!
+//! - **`short-kv`**: the KV positions this node computed (unified) or
+//!   received in accepted transfers (decode) for the request, counted over
+//!   every layer, are fewer than its prompt's tokens when the first token
+//!   is emitted. Counted from what the kernels computed and what the
+//!   transfers carried — not from the node's own bookkeeping of
+//!   `computed`, which is exactly what a bug like the incident's gets wrong.
+//! - **`fast-first-token`**: the time from the request's arrival on the
+//!   node to its first token, per prompt token, is far below what the node
+//!   has needed for any prompt of its size class lately: less than
+//!   1/[`FAST_FACTOR`] of the 5th percentile of the last [`WINDOW`]
+//!   unflagged prompts of at least [`MIN_TIMED_PROMPT`] tokens, once
+//!   [`WARM_UP`] have been seen. Queueing and batching only make a first
+//!   token slower, never faster than the node can compute, so an honest
+//!   request is not flagged; a prompt whose KV was never computed is.
+//!
+//! A flagged request is counted ([`AnomalyCounts`], the `/metrics`
+//! `kvsan:anomalies_total{kind}`) and logged with its id, tenant and
+//! numbers (never its text); with [`AnomalyAction::Abort`] it is also ended
+//! with an [`ErrorKind::Anomaly`] error before its first token leaves.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::time::Duration;
+
+use bitvec::vec::BitVec;
+use kvsan_sanitizer::Owner;
+
+use crate::request::{ErrorKind, RequestError};
+
+/// What a node does with a flagged request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AnomalyAction {
+    /// Count it and log it; the request goes on.
+    #[default]
+    Log,
+    /// Count it, log it, and end the request with an error before its
+    /// first token.
+    Abort,
+}
+
+/// What was seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnomalyKind {
+    /// The first token came with KV for fewer positions than the prompt.
+    ShortKv,
+    /// The first token came far faster per prompt token than the node can
+    /// compute.
+    FastFirstToken,
+}
+
+impl AnomalyKind {
+    /// Every kind, in counter order.
+    pub const ALL: [AnomalyKind; 2] = [AnomalyKind::ShortKv, AnomalyKind::FastFirstToken];
+
+    /// The stable kebab-case name (a metric label, a log field).
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            AnomalyKind::ShortKv => "short-kv",
+            AnomalyKind::FastFirstToken => "fast-first-token",
+        }
+    }
+}
+
+/// Requests flagged since start, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AnomalyCounts {
+    /// [`AnomalyKind::ShortKv`].
+    pub short_kv: u64,
+    /// [`AnomalyKind::FastFirstToken`].
+    pub fast_first_token: u64,
+}
+
+impl AnomalyCounts {
+    /// The count of `kind`.
+    #[must_use]
+    pub const fn of(&self, kind: AnomalyKind) -> u64 {
+        match kind {
+            AnomalyKind::ShortKv => self.short_kv,
+            AnomalyKind::FastFirstToken => self.fast_first_token,
+        }
+    }
+
+    /// All kinds together.
+    #[must_use]
+    pub const fn total(&self) -> u64 {
+        self.short_kv + self.fast_first_token
+    }
+
+    fn add(&mut self, kind: AnomalyKind) {
+        match kind {
+            AnomalyKind::ShortKv => self.short_kv += 1,
+            AnomalyKind::FastFirstToken => self.fast_first_token += 1,
+        }
+    }
+}
+
+/// The prompt positions whose KV a node holds for one request, per layer:
+/// what its forward passes computed or its accepted transfers carried.
+#[derive(Debug, Default)]
+pub(crate) struct KvCoverage {
+    /// One row of `prompt` bits per layer, layer-major; empty until the
+    /// first record.
+    bits: BitVec,
+    layers: usize,
+    prompt: usize,
+}
+
+impl KvCoverage {
+    /// Records KV for positions `first..first + tokens` in `layers`, of a
+    /// request whose prompt is `prompt` tokens in a model of `n_layers`
+    /// (positions past the prompt and layers past the model are not the
+    /// prompt's KV, and are not counted).
+    pub fn record(
+        &mut self,
+        first: usize,
+        tokens: usize,
+        layers: Range<usize>,
+        prompt: usize,
+        n_layers: usize,
+    ) {
+        if self.bits.is_empty() {
+            self.layers = n_layers;
+            self.prompt = prompt;
+            self.bits = BitVec::repeat(false, n_layers * prompt);
+        }
+        let positions = first.min(self.prompt)..first.saturating_add(tokens).min(self.prompt);
+        for layer in layers.start..layers.end.min(self.layers) {
+            let row = layer * self.prompt;
+            self.bits[row + positions.start..row + positions.end].fill(true);
+        }
+    }
+
+    /// Prompt positions held in every layer.
+    pub fn positions(&self) -> usize {
+        if self.bits.is_empty() {
+            return 0;
+        }
+        let mut all = self.bits[..self.prompt].to_bitvec();
+        for layer in 1..self.layers {
+            let row = layer * self.prompt;
+            all &= &self.bits[row..row + self.prompt];
+        }
+        all.count_ones()
+    }
+
+    /// Forgets everything (the request's pages were freed: preemption).
+    pub fn clear(&mut self) {
+        *self = KvCoverage::default();
+    }
+}
+
+/// Prompts shorter than this are not timed: their first token is
+/// dominated by a step's fixed cost, not by their tokens.
+pub const MIN_TIMED_PROMPT: usize = 64;
+/// Timed prompts remembered.
+pub const WINDOW: usize = 256;
+/// Timed prompts seen before the time check flags anything.
+pub const WARM_UP: usize = 32;
+/// How many times faster than the node's 5th percentile a first token
+/// must come to be flagged.
+pub const FAST_FACTOR: f64 = 8.0;
+
+/// A request's numbers at its first token.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FirstToken {
+    pub owner: Owner,
+    pub prompt_tokens: usize,
+    /// Prompt positions with KV in every layer ([`KvCoverage::positions`]).
+    pub kv_tokens: usize,
+    /// From the request's arrival on the node.
+    pub elapsed: Duration,
+}
+
+/// One node's monitor.
+#[derive(Debug)]
+pub(crate) struct Monitor {
+    action: AnomalyAction,
+    /// Seconds per prompt token of the last [`WINDOW`] unflagged timed prompts.
+    recent: VecDeque<f64>,
+    counts: AnomalyCounts,
+}
+
+impl Monitor {
+    pub fn new(action: AnomalyAction) -> Monitor {
+        Monitor {
+            action,
+            recent: VecDeque::with_capacity(WINDOW),
+            counts: AnomalyCounts::default(),
+        }
+    }
+
+    /// Requests flagged so far.
+    pub fn counts(&self) -> AnomalyCounts {
+        self.counts
+    }
+
+    /// Checks a request at its first token on node `node`. The error to end
+    /// it with when it is flagged and the action is to abort.
+    pub fn first_token(&mut self, node: &str, seen: FirstToken) -> Option<RequestError> {
+        let mut flagged: Vec<(AnomalyKind, String)> = Vec::new();
+        if seen.kv_tokens < seen.prompt_tokens {
+            flagged.push((
+                AnomalyKind::ShortKv,
+                format!(
+                    "the first token came with KV for {} of the prompt's {} tokens",
+                    seen.kv_tokens, seen.prompt_tokens
+                ),
+            ));
+        }
+        if seen.prompt_tokens >= MIN_TIMED_PROMPT {
+            let per_token = seen.elapsed.as_secs_f64() / seen.prompt_tokens as f64;
+            match self.floor() {
+                Some(floor) if per_token < floor / FAST_FACTOR => flagged.push((
+                    AnomalyKind::FastFirstToken,
+                    format!(
+                        "the first token came after {:.1} µs per prompt token ({} tokens); \
+                         this node's 5th percentile lately is {:.1} µs",
+                        per_token * 1e6,
+                        seen.prompt_tokens,
+                        floor * 1e6
+                    ),
+                )),
+                _ if flagged.is_empty() => self.remember(per_token),
+                _ => {}
+            }
+        }
+        if flagged.is_empty() {
+            return None;
+        }
+        for (kind, what) in &flagged {
+            self.counts.add(*kind);
+            tracing::warn!(
+                node,
+                request = seen.owner.request.0,
+                tenant = seen.owner.tenant.0,
+                prompt_tokens = seen.prompt_tokens,
+                kv_tokens = seen.kv_tokens,
+                elapsed_us = seen.elapsed.as_micros() as u64,
+                "anomaly {}: {what}",
+                kind.name()
+            );
+        }
+        (self.action == AnomalyAction::Abort).then(|| {
+            let (kind, what) = &flagged[0];
+            RequestError::new(
+                ErrorKind::Anomaly,
+                format!(
+                    "aborted by the anomaly monitor on the {node} node: {} ({what})",
+                    kind.name()
+                ),
+            )
+        })
+    }
+
+    /// The 5th percentile of the remembered prompts' time per token, once
+    /// enough were seen (a percentile, not the minimum: one honest fast
+    /// prompt does not lower the bar for the next).
+    fn floor(&self) -> Option<f64> {
+        if self.recent.len() < WARM_UP {
+            return None;
+        }
+        let mut sorted: Vec<f64> = self.recent.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        Some(sorted[sorted.len() / 20])
+    }
+
+    fn remember(&mut self, per_token: f64) {
+        if self.recent.len() == WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(per_token);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvsan_sanitizer::{RequestId, TenantId};
+
+    use super::*;
+
+    fn seen(prompt_tokens: usize, kv_tokens: usize, micros_per_token: u64) -> FirstToken {
+        FirstToken {
+            owner: Owner {
+                request: RequestId(7),
+                tenant: TenantId(2),
+            },
+            prompt_tokens,
+            kv_tokens,
+            elapsed: Duration::from_micros(micros_per_token * prompt_tokens as u64),
+        }
+    }
+
+    #[test]
+    fn a_first_token_with_kv_for_fewer_positions_than_the_prompt_is_flagged() {
+        let mut m = Monitor::new(AnomalyAction::Log);
+        assert!(m.first_token("decode", seen(1100, 1, 100)).is_none());
+        assert_eq!(m.counts().short_kv, 1);
+        assert_eq!(m.counts().fast_first_token, 0);
+    }
+
+    #[test]
+    fn a_first_token_with_kv_for_the_whole_prompt_is_not() {
+        let mut m = Monitor::new(AnomalyAction::Abort);
+        assert!(m.first_token("decode", seen(1100, 1100, 100)).is_none());
+        assert!(m.first_token("unified", seen(1, 1, 100)).is_none());
+        assert_eq!(m.counts().total(), 0);
+    }
+
+    #[test]
+    fn abort_ends_the_flagged_request_naming_the_kind_and_numbers() {
+        let mut m = Monitor::new(AnomalyAction::Abort);
+        let e = m
+            .first_token("decode", seen(1100, 1, 100))
+            .expect("aborted");
+        assert_eq!(e.kind, ErrorKind::Anomaly);
+        assert!(e.message.contains("short-kv"), "{}", e.message);
+        assert!(
+            e.message.contains("1 of the prompt's 1100"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn a_first_token_far_faster_per_prompt_token_than_the_node_can_compute_is_flagged() {
+        let mut m = Monitor::new(AnomalyAction::Log);
+        for i in 0..WARM_UP {
+            // 200..263 µs a token: the node's honest range.
+            assert!(
+                m.first_token("u", seen(100, 100, 200 + i as u64 * 2))
+                    .is_none()
+            );
+        }
+        // Eight times faster than the fastest honest one is still honest…
+        assert!(m.first_token("u", seen(100, 100, 26)).is_none());
+        assert_eq!(m.counts().fast_first_token, 0);
+        // …and forty times faster is not.
+        m.first_token("u", seen(1100, 1100, 5));
+        assert_eq!(m.counts().fast_first_token, 1);
+    }
+
+    #[test]
+    fn the_time_check_waits_for_its_warm_up_and_ignores_short_prompts() {
+        let mut m = Monitor::new(AnomalyAction::Log);
+        for _ in 0..WARM_UP - 1 {
+            m.first_token("u", seen(100, 100, 200));
+        }
+        assert!(m.first_token("u", seen(100, 100, 1)).is_none());
+        assert_eq!(m.counts().total(), 0, "not warmed up");
+        assert!(
+            m.first_token("u", seen(MIN_TIMED_PROMPT - 1, MIN_TIMED_PROMPT - 1, 0))
+                .is_none()
+        );
+        assert_eq!(m.counts().total(), 0, "too short to time");
+    }
+
+    #[test]
+    fn coverage_counts_positions_held_in_every_layer() {
+        let mut c = KvCoverage::default();
+        assert_eq!(c.positions(), 0);
+        c.record(0, 16, 0..4, 40, 4);
+        assert_eq!(c.positions(), 16);
+        // Layers 0..2 only: positions 16..32 are not held in every layer.
+        c.record(16, 16, 0..2, 40, 4);
+        assert_eq!(c.positions(), 16);
+        c.record(16, 16, 2..4, 40, 4);
+        assert_eq!(c.positions(), 32);
+        // Past the prompt: not the prompt's KV.
+        c.record(32, 100, 0..4, 40, 4);
+        assert_eq!(c.positions(), 40);
+        c.clear();
+        assert_eq!(c.positions(), 0);
+    }
+}

@@ -1,0 +1,249 @@
+//! `GET /metrics` of `kvsan serve --api http`: OpenMetrics text that the
+//! Prometheus project's parser accepts, whose counters match what the test
+//! sent, under vLLM's names and kvsan's; a client that leaves mid-stream
+//! is counted as an abort and its pages are seen coming back; and the
+//! anomaly monitor, with no sanitizer, flags the incident's fault (and
+//! aborts it when asked).
+
+mod metrics_common;
+mod serve_common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use metrics_common::Scrape;
+use serde_json::{Value, json};
+use serve_common::Server;
+
+/// Generous bound on one exchange: a hang fails, nothing is timed.
+const BOUND: Duration = Duration::from_secs(60);
+
+/// A disaggregated synthetic-model HTTP server with `extra` flags, and its
+/// client address.
+fn server(extra: &[&str]) -> (Server, String) {
+    let mut args = vec![
+        "--role",
+        "disagg",
+        "--synthetic",
+        "--api",
+        "http",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let server = Server::start("serve-http-metrics", &args);
+    let addr = server
+        .serving()
+        .listen
+        .expect("listen= on the serving line");
+    (server, addr)
+}
+
+/// POSTs `body` to `/v1/completions`: the status and the JSON answer (the
+/// raw text for a stream).
+fn complete(addr: &str, body: &Value) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "60", "-w", "\n%{http_code}"])
+        .args(["-H", "Content-Type: application/json", "--data-binary"])
+        .arg(body.to_string())
+        .arg(format!("http://{addr}/v1/completions"))
+        .output()
+        .expect("run curl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    let (answer, status) = text.rsplit_once('\n').expect("status line");
+    (status.parse().expect("status"), answer.to_string())
+}
+
+/// A prompt of `n` token ids.
+fn prompt(n: u32) -> Vec<u32> {
+    (1..=n).map(|i| i % 256).collect()
+}
+
+#[test]
+fn the_counters_match_what_the_clients_sent() {
+    let (_server, addr) = server(&[]);
+    let idle = Scrape::of(&addr);
+    assert_eq!(
+        idle.value("vllm:prompt_tokens_total", &[("model_name", "synthetic")]),
+        0.0
+    );
+    // (prompt tokens, max_tokens, streamed): the synthetic model has no
+    // stop token, so each generates exactly max_tokens.
+    let sent = [(5, 4, false), (7, 3, true), (9, 2, false)];
+    for (n, max_tokens, stream) in sent {
+        let body = json!({
+            "model": "synthetic", "prompt": prompt(n), "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream,
+        });
+        let (status, answer) = complete(&addr, &body);
+        assert_eq!(status, 200, "{answer}");
+    }
+    let over = json!({"model": "synthetic", "prompt": prompt(5), "max_tokens": 100_000});
+    assert_eq!(complete(&addr, &over).0, 400);
+
+    let m = Scrape::of(&addr);
+    let prompts: u32 = sent.iter().map(|s| s.0).sum();
+    let generated: u32 = sent.iter().map(|s| s.1).sum();
+    assert_eq!(m.value("vllm:prompt_tokens_total", &[]), f64::from(prompts));
+    assert_eq!(
+        m.value("vllm:generation_tokens_total", &[]),
+        f64::from(generated)
+    );
+    let requests = sent.len() as f64;
+    let success = [("finished_reason", "length")];
+    assert_eq!(m.value("vllm:request_success_total", &success), requests);
+    assert_eq!(
+        m.value("vllm:time_to_first_token_seconds_count", &[]),
+        requests
+    );
+    assert_eq!(
+        m.value("vllm:e2e_request_latency_seconds_count", &[]),
+        requests
+    );
+    // Every token after a request's first is one inter-token interval.
+    assert_eq!(
+        m.value("vllm:inter_token_latency_seconds_count", &[]),
+        f64::from(generated) - requests
+    );
+    let rejected = [("limit", "context"), ("node", "decode")];
+    assert_eq!(m.value("kvsan:rejections_total", &rejected), 1.0);
+    // Each prompt is one transfer piece, sent by prefill, received by decode.
+    for node in ["prefill", "decode"] {
+        assert_eq!(
+            m.value("kvsan:kv_transfers_total", &[("node", node)]),
+            requests
+        );
+        assert_eq!(
+            m.value("kvsan:free_pages", &[("node", node)]),
+            m.value("kvsan:total_pages", &[("node", node)]),
+            "{node}: every page back"
+        );
+    }
+    assert_eq!(m.value("vllm:num_requests_running", &[]), 0.0);
+    assert_eq!(m.value("vllm:num_requests_waiting", &[]), 0.0);
+    assert_eq!(m.value("vllm:kv_cache_usage_perc", &[]), 0.0);
+    assert_eq!(m.value("vllm:num_preemptions_total", &[]), 0.0);
+    for kind in ["short-kv", "fast-first-token"] {
+        assert_eq!(
+            m.value("kvsan:anomalies_total", &[("kind", kind)]),
+            0.0,
+            "{kind}"
+        );
+    }
+    assert!(m.has("kvsan:sanitizer_attached", &[]));
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_is_an_abort_and_its_pages_come_back() {
+    let (_server, addr) = server(&[]);
+    let body = json!({
+        "model": "synthetic", "prompt": prompt(100), "max_tokens": 3900, "stream": true,
+    });
+    let mut curl = Command::new("curl")
+        .args(["-sS", "-N", "--max-time", "60"])
+        .args(["-H", "Content-Type: application/json", "--data-binary"])
+        .arg(body.to_string())
+        .arg(format!("http://{addr}/v1/completions"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run curl");
+    let mut events = BufReader::new(curl.stdout.take().expect("stdout")).lines();
+    for _ in 0..2 {
+        let line = loop {
+            let line = events
+                .next()
+                .expect("the stream ended early")
+                .expect("read");
+            if line.starts_with("data: ") {
+                break line;
+            }
+        };
+        assert!(!line.contains("[DONE]"), "{line}");
+    }
+    let streaming = Scrape::of(&addr);
+    assert_eq!(streaming.value("vllm:num_requests_running", &[]), 1.0);
+    assert!(streaming.value("vllm:kv_cache_usage_perc", &[]) > 0.0);
+
+    // The client goes away.
+    curl.kill().expect("kill curl");
+    let _ = curl.wait();
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let m = Scrape::of(&addr);
+        let aborted = m.count(
+            "vllm:request_success_total",
+            &[("finished_reason", "abort")],
+        );
+        let free = m.value("kvsan:free_pages", &[("node", "decode")]);
+        if aborted == 1.0 && free == m.value("kvsan:total_pages", &[("node", "decode")]) {
+            assert_eq!(m.value("vllm:kv_cache_usage_perc", &[]), 0.0);
+            assert_eq!(m.value("vllm:num_requests_running", &[]), 0.0);
+            assert_eq!(
+                m.count(
+                    "vllm:request_success_total",
+                    &[("finished_reason", "length")]
+                ),
+                0.0
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the abort and the freed pages never showed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The incident's fault, injected into a server with no sanitizer: a
+/// prompt over the prefill pool is rejected by prefill, admitted by decode
+/// as a one-token placeholder, and its first token comes with KV for one
+/// position of 1,100.
+#[cfg(feature = "faults")]
+#[test]
+fn without_a_sanitizer_the_anomaly_monitor_flags_the_incident_and_aborts_it_when_asked() {
+    let incident = [
+        "--prefill-pool-tokens",
+        "1024",
+        "--allow-pool-smaller-than-context",
+        "--inject",
+        "reject-as-placeholder",
+    ];
+    for (mode, status) in [("log", 200), ("abort", 500)] {
+        let mut flags = incident.to_vec();
+        flags.extend(["--anomaly", mode]);
+        let (server, addr) = server(&flags);
+        let body = json!({"model": "synthetic", "prompt": prompt(1100), "max_tokens": 4});
+        let (got, answer) = complete(&addr, &body);
+        assert_eq!(got, status, "--anomaly {mode}: {answer}");
+        if mode == "abort" {
+            let v: Value = serde_json::from_str(&answer).expect("JSON error");
+            assert_eq!(v["error"]["code"], "anomaly", "{v}");
+            let message = v["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains("short-kv") && message.contains("1 of the prompt's 1100"),
+                "{message}"
+            );
+        }
+        server.wait_for("anomaly short-kv", BOUND);
+        // An honest request beside it is served and not flagged.
+        let honest = json!({"model": "synthetic", "prompt": prompt(10), "max_tokens": 2});
+        assert_eq!(complete(&addr, &honest).0, 200);
+        let m = Scrape::of(&addr);
+        assert_eq!(
+            m.value("kvsan:anomalies_total", &[("kind", "short-kv")]),
+            1.0,
+            "--anomaly {mode}"
+        );
+        assert_eq!(
+            m.value("kvsan:anomalies_total", &[("kind", "fast-first-token")]),
+            0.0
+        );
+    }
+}
