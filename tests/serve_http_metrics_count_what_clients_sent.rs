@@ -124,6 +124,8 @@ fn the_counters_match_what_the_clients_sent() {
             m.value("kvsan:total_pages", &[("node", node)]),
             "{node}: every page back"
         );
+        assert!(m.value("kvsan:steps_total", &[("node", node)]) >= requests);
+        assert!(m.value("kvsan:pages_allocated_total", &[("node", node)]) >= requests);
     }
     assert_eq!(m.value("vllm:num_requests_running", &[]), 0.0);
     assert_eq!(m.value("vllm:num_requests_waiting", &[]), 0.0);

@@ -8,7 +8,7 @@
 //!  vllm:generation_tokens_total                  vllm:kv_cache_usage_perc
 //!  vllm:time_to_first_token_seconds              vllm:num_preemptions_total
 //!  vllm:inter_token_latency_seconds              kvsan:free_pages{node}, kvsan:quarantined_pages{node}
-//!  vllm:e2e_request_latency_seconds              kvsan:kv_transfers_total{node}
+//!  vllm:e2e_request_latency_seconds              kvsan:kv_transfers_total{node}, kvsan:pages_allocated_total{node}, kvsan:steps_total{node}
 //!  vllm:request_success_total{finished_reason}   kvsan:anomalies_total{kind}
 //!  kvsan:rejections_total{limit,node}            kvsan:violations_total{kind}, kvsan:checks_total
 //!                                                kvsan:sanitizer_attached{target}
@@ -344,20 +344,29 @@ impl Collector for Live {
             "KV pages in the pool.",
             &per_node(|s| s.total_pages as i64),
         )?;
-        let transfers: Vec<(Labels, ConstCounter)> = nodes
-            .iter()
-            .map(|(n, s)| {
-                (
-                    vec![("node", (*n).to_string())],
-                    ConstCounter::new(s.transfers),
-                )
-            })
-            .collect();
+        let per_node_total = |f: fn(&NodeStats) -> u64| -> Vec<(Labels, ConstCounter)> {
+            nodes
+                .iter()
+                .map(|(n, s)| (vec![("node", (*n).to_string())], ConstCounter::new(f(s))))
+                .collect()
+        };
         family(
             e,
             "kvsan:kv_transfers",
             "KV transfers sent (prefill) or received (decode).",
-            &transfers,
+            &per_node_total(|s| s.transfers),
+        )?;
+        family(
+            e,
+            "kvsan:pages_allocated",
+            "KV pages taken from the free list.",
+            &per_node_total(|s| s.pages_allocated),
+        )?;
+        family(
+            e,
+            "kvsan:steps",
+            "Forward steps run.",
+            &per_node_total(|s| s.steps),
         )?;
         let anomalies: Vec<(Labels, ConstCounter)> = AnomalyKind::ALL
             .iter()
