@@ -15,6 +15,7 @@
 //! | `bench/plot.rs` | the SVGs: ratios with their spread, curves |
 
 mod child;
+mod instructions;
 mod kernel;
 pub mod latency;
 pub mod overhead;
