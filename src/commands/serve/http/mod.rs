@@ -4,6 +4,7 @@
 //! | file | what lives there |
 //! | --- | --- |
 //! | `routes.rs` | the routes; `/health`, `/v1/models` |
+//! | `stats.rs` | `/stats`: the nodes' counters |
 //! | `completions.rs` | `/v1/completions`, `/v1/chat/completions`: body → engine request |
 //! | `prompt.rs` | prompts and chats → token ids |
 //! | `openai.rs` | request bodies (unknown fields refused) and answer shapes |
@@ -27,6 +28,7 @@ mod openai;
 mod prompt;
 mod routes;
 mod sse;
+mod stats;
 mod stop;
 mod tokenize;
 
