@@ -1,4 +1,4 @@
-//! `kvsan serve --api http`: the OpenAI-compatible HTTP interface, on axum
+//! `kvsan serve`'s client interface: OpenAI-compatible HTTP, on axum
 //! (hyper, tokio), bridged to the engine's threads.
 //!
 //! | file | what lives there |
@@ -48,8 +48,9 @@ use super::text::TextSide;
 use api_keys::{Tenant, Tenants};
 use error::ApiError;
 
-/// Longest request body accepted, in bytes (as the JSON-lines interface's line).
-pub const MAX_BODY_BYTES: usize = super::client::MAX_LINE_BYTES;
+/// Longest request body accepted, in bytes: room for a prompt of a few
+/// million token ids, a bound on what one request can make the server hold.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// What every request shares.
 pub struct Front {
