@@ -18,10 +18,10 @@
 //! (some sampled, tenants 0–7 from the API keys of `--api-keys`), clients
 //! that go away — close the connection, which cancels the request — at
 //! different points of a request's life (as soon as the answer's status is
-//! in, or after 1, 2, 4 or 8 tokens), and rejections, both of a prompt over the context
-//! window and of one over the pool the node admits it to (`--pool-tokens`
-//! unified, `--prefill-pool-tokens` disaggregated, both started with
-//! `--allow-pool-smaller-than-context`).
+//! in, or after 1, 2, 4 or 8 tokens), and rejections, both of a prompt over
+//! the context window and of one over the pool the node admits it to
+//! (`--pool-tokens` unified, `--prefill-pool-tokens` disaggregated, both
+//! started with `--allow-pool-smaller-than-context`).
 //!
 //! | share | request | expected answer |
 //! | --- | --- | --- |
