@@ -171,9 +171,10 @@ fn full_overhead_run_builds_three_variants_and_reports_every_workload() {
     }
 }
 
-/// `--count instructions`: each variant counted under cachegrind, the
-/// sanitizer's and the shim's shares attributed, and the count repeatable
-/// (one request in flight, one kernel thread, fixed seeds).
+/// `--count instructions`: each variant counted under cachegrind (a run
+/// less its baseline), the sanitizer's and the shim's shares attributed,
+/// and the count repeatable (one request in flight, one kernel thread,
+/// fixed seeds).
 #[test]
 fn quick_instruction_counts_are_attributed_and_repeatable() {
     let shim = shim_common::shim_library();
@@ -214,8 +215,8 @@ fn quick_instruction_counts_are_attributed_and_repeatable() {
     assert_eq!(pairs, ["debug/off", "shim/off"]);
     // The same run again counts the same instructions, to well under 0.1 %.
     let again = run_quick(&["--count", "instructions", "--variants", "off"], &out);
-    let first = count(&off, "instructions") as f64;
-    let second = again["instructions"]["variants"][0]["instructions"]
+    let first = count(&off["run"], "instructions") as f64;
+    let second = again["instructions"]["variants"][0]["run"]["instructions"]
         .as_f64()
         .unwrap();
     assert!(

@@ -55,7 +55,7 @@ fn place_of(file: &str, function: &str) -> Option<&'static str> {
         .map(|(name, _, _)| *name)
 }
 
-/// A variant's instruction count on one workload.
+/// One run's instruction count.
 #[derive(Clone, Debug, Serialize)]
 pub struct Counted {
     /// Instructions the whole process executed (cachegrind's `Ir`).
@@ -141,11 +141,6 @@ fn parse(text: &str) -> anyhow::Result<(u64, BTreeMap<&'static str, u64>)> {
     }
     let total = total.context("it has no summary: line")?;
     Ok((total, inside))
-}
-
-/// A variant's instruction count relative to `off`'s.
-pub fn ratio(variant: &Counted, off: &Counted) -> f64 {
-    variant.instructions as f64 / off.instructions.max(1) as f64
 }
 
 #[cfg(test)]

@@ -157,7 +157,10 @@ struct Workload {
     model: &'static str,
     topology: &'static str,
     args: Vec<String>,
-    warmup_args: Vec<String>,
+    /// A short run of the same setup: the timed rounds' warm-up; for the
+    /// counted workloads, the baseline whose instructions (process start,
+    /// model load, the first request) are subtracted.
+    short_args: Vec<String>,
 }
 
 /// One run's figures.
@@ -216,8 +219,13 @@ struct RatioReport {
 struct CountedReport {
     name: &'static str,
     workload: &'static str,
-    #[serde(flatten)]
-    counted: instructions::Counted,
+    /// Instructions of the serving: the whole run's less the baseline's.
+    instructions: u64,
+    /// Of which, in each place's code ([`instructions::Counted::inside`]).
+    inside: std::collections::BTreeMap<&'static str, u64>,
+    /// The whole run, and its baseline (the first request alone).
+    run: instructions::Counted,
+    baseline: instructions::Counted,
     checks: u64,
 }
 
@@ -226,8 +234,10 @@ struct CountedReport {
 struct CountedRatio {
     pair: String,
     workload: &'static str,
-    /// Variant instructions ÷ `off` instructions.
+    /// Variant serving instructions ÷ `off` serving instructions.
     instructions: f64,
+    /// The same for the whole runs, fixed costs included.
+    whole_run_instructions: f64,
     target: Option<f64>,
 }
 
@@ -337,7 +347,7 @@ fn synthetic(
         model: "synthetic (2 layers, width 32, 2 heads / 1 KV head, FFN 64)",
         topology,
         args: args(requests),
-        warmup_args: args(warmup),
+        short_args: args(warmup),
     }
 }
 
@@ -363,7 +373,7 @@ fn workloads(args: &Args) -> Vec<Workload> {
             model: "SmolLM2-135M Q4_1",
             topology,
             args: a,
-            warmup_args: warm,
+            short_args: warm,
         }
     };
     vec![
@@ -603,7 +613,7 @@ fn timed(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Timed> {
         eprintln!("kvsan bench: warm-up round");
         for w in &workloads {
             for p in prepared {
-                run_one(p, &w.warmup_args)
+                run_one(p, &w.short_args)
                     .with_context(|| format!("warm-up of {} on {}", p.variant.name(), w.name))?;
             }
         }
@@ -673,63 +683,58 @@ fn timed(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Timed> {
 }
 
 /// The workloads counted under cachegrind: deterministic (one request in
-/// flight, fixed seeds) and short (Valgrind runs them ~50× slower).
+/// flight, fixed seeds) and short (Valgrind runs them ~50× slower). Each
+/// one's baseline is its first request alone, so what is compared is the
+/// serving of the requests after it, without the process's fixed cost.
 fn counted_workloads(args: &Args) -> Vec<Workload> {
-    let s = strings;
-    let one_at_a_time = ["--in-flight", "1"];
+    let shape = |prompt_max: &str, new_min: &str, new_max: &str| {
+        strings(&[
+            "--in-flight",
+            "1",
+            "--prompt-min",
+            "16",
+            "--prompt-max",
+            prompt_max,
+            "--new-min",
+            new_min,
+            "--new-max",
+            new_max,
+        ])
+    };
+    let with = |mut w: Workload, extra: &[String]| {
+        w.args.extend_from_slice(extra);
+        w.short_args.extend_from_slice(extra);
+        w
+    };
     if args.quick {
-        // Short prompts and answers: a smoke check, even of a debug build.
-        return vec![synthetic(
-            "unified",
-            "synthetic-unified",
-            "2",
-            "0",
-            &[
-                "--in-flight",
-                "1",
-                "--prompt-min",
-                "16",
-                "--prompt-max",
-                "64",
-                "--new-min",
-                "4",
-                "--new-max",
-                "8",
-            ],
-        )];
+        // A smoke check, even of a debug build.
+        let w = synthetic("unified", "synthetic-unified", "2", "1", &[]);
+        return vec![with(w, &shape("64", "4", "8"))];
     }
-    let mut smollm2 = s(&[
-        "--model-kind",
-        "smollm2",
-        "--topology",
-        "unified",
-        "--requests",
-        "2",
-        "--in-flight",
-        "1",
-        "--prompt-min",
-        "16",
-        "--prompt-max",
-        "48",
-        "--new-min",
-        "4",
-        "--new-max",
-        "8",
-    ]);
+    let small = shape("256", "16", "32");
+    let mut smollm2 = strings(&["--model-kind", "smollm2", "--topology", "unified"]);
     if let Some(m) = &args.model {
         smollm2.push("--model".into());
         smollm2.push(m.display().to_string());
     }
+    smollm2.extend(shape("24", "2", "4"));
+    let requests = |n: &str| strings(&["--requests", n]);
     vec![
+        with(
+            synthetic("unified", "synthetic-unified", "8", "1", &[]),
+            &small,
+        ),
+        with(
+            synthetic("disagg", "synthetic-disagg", "8", "1", &[]),
+            &small,
+        ),
         Workload {
             name: "smollm2-unified",
             model: "SmolLM2-135M Q4_1",
             topology: "unified",
-            args: smollm2,
-            warmup_args: Vec::new(),
+            args: [smollm2.clone(), requests("3")].concat(),
+            short_args: [smollm2, requests("1")].concat(),
         },
-        synthetic("unified", "synthetic-unified", "16", "0", &one_at_a_time),
-        synthetic("disagg", "synthetic-disagg", "16", "0", &one_at_a_time),
     ]
 }
 
@@ -750,27 +755,45 @@ fn counted(
     let mut variants = Vec::new();
     let mut ratios = Vec::new();
     for w in &workloads {
-        let mut off: Option<instructions::Counted> = None;
+        let mut off: Option<(u64, u64)> = None;
         for p in prepared {
-            let profile = out_dir.join(format!("cachegrind.{}.{}.out", w.name, p.variant.name()));
-            let (done, c) =
-                instructions::count(&p.program, &child_args(p, &w.args), &p.env, &profile)
-                    .with_context(|| format!("counting {} on {}", p.variant.name(), w.name))?;
-            let run = measured(p, &done)?;
+            let count = |args: &[String], what: &str| {
+                let profile = out_dir.join(format!(
+                    "cachegrind.{}.{}.{what}.out",
+                    w.name,
+                    p.variant.name()
+                ));
+                instructions::count(&p.program, &child_args(p, args), &p.env, &profile)
+                    .with_context(|| {
+                        format!("counting {} on {} ({what})", p.variant.name(), w.name)
+                    })
+            };
+            let (done, run) = count(&w.args, "run")?;
+            let checks = measured(p, &done)?.checks;
+            let (_, baseline) = count(&w.short_args, "baseline")?;
+            let serving = run.instructions.saturating_sub(baseline.instructions);
+            let inside = run
+                .inside
+                .iter()
+                .map(|(k, v)| (*k, v.saturating_sub(baseline.inside[k])))
+                .collect::<std::collections::BTreeMap<_, _>>();
             eprintln!(
-                "kvsan bench: counted {:<18} {:<5} {:>15} instructions ({} in the sanitizer, {} in the shim)",
+                "kvsan bench: counted {:<18} {:<5} {:>14} instructions serving ({} run, {} baseline; {} in the sanitizer, {} in the shim)",
                 w.name,
                 p.variant.name(),
-                c.instructions,
-                c.inside["sanitizer"],
-                c.inside["shim"]
+                serving,
+                run.instructions,
+                baseline.instructions,
+                inside["sanitizer"],
+                inside["shim"]
             );
-            match &off {
-                None => off = Some(c.clone()),
-                Some(o) => ratios.push(CountedRatio {
+            match off {
+                None => off = Some((serving, run.instructions)),
+                Some((off_serving, off_run)) => ratios.push(CountedRatio {
                     pair: format!("{}/off", p.variant.name()),
                     workload: w.name,
-                    instructions: instructions::ratio(&c, o),
+                    instructions: serving as f64 / off_serving.max(1) as f64,
+                    whole_run_instructions: run.instructions as f64 / off_run.max(1) as f64,
                     target: if w.name.starts_with("smollm2") {
                         p.variant.target()
                     } else {
@@ -781,8 +804,11 @@ fn counted(
             variants.push(CountedReport {
                 name: p.variant.name(),
                 workload: w.name,
-                counted: c,
-                checks: run.checks,
+                instructions: serving,
+                inside,
+                run,
+                baseline,
+                checks,
             });
         }
     }
@@ -797,7 +823,7 @@ fn counted_table(c: &CountedRuns) -> String {
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "\ninstructions (cachegrind, one run each; KVSAN_THREADS=1, one request in flight):"
+        "\ninstructions serving (cachegrind: a run less its first request alone; KVSAN_THREADS=1, one request in flight):"
     );
     let _ = writeln!(
         t,
@@ -816,20 +842,21 @@ fn counted_table(c: &CountedRuns) -> String {
             "{:<18} {:<6} {:>16} {:>14} {:>12} {:>14} {:>12}",
             v.workload,
             v.name,
-            v.counted.instructions,
-            v.counted.inside["sanitizer"],
-            v.counted.inside["shim"],
-            v.counted.inside["kernel_guard"],
+            v.instructions,
+            v.inside["sanitizer"],
+            v.inside["shim"],
+            v.inside["kernel_guard"],
             v.checks
         );
     }
     for r in &c.ratios {
         let _ = writeln!(
             t,
-            "{:<18} {:<10} instruction ratio {:.4}{}",
+            "{:<18} {:<10} instruction ratio {:.4} (whole runs {:.4}){}",
             r.workload,
             r.pair,
             r.instructions,
+            r.whole_run_instructions,
             r.target
                 .map_or(String::new(), |t| format!("  (target ≤{t:.2})"))
         );
