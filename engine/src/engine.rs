@@ -18,7 +18,7 @@ use crate::anomaly::AnomalyAction;
 use crate::hooks::Hooks;
 use crate::model::{AttentionCheck, Model};
 use crate::node::decode::DecodeNode;
-use crate::node::executor::Executor;
+use crate::node::executor::{Executor, NodeSettings};
 use crate::node::prefill::{Exit, PrefillNode};
 use crate::node::scheduler::{Scheduler, SchedulerConfig};
 use crate::node::{Command, NodeStats, unified};
@@ -102,7 +102,13 @@ impl EngineConfig {
         role: NodeRole,
         name: &str,
     ) -> Result<Executor, EngineError> {
-        Executor::new(model, pages, role, name, self)
+        let settings = NodeSettings {
+            page_slots: self.page_slots,
+            hooks: self.hooks.clone(),
+            check: self.check,
+            anomaly: self.anomaly,
+        };
+        Executor::new(model, pages, role, name, settings)
     }
 
     /// The context served, checked against the model's.

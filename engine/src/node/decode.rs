@@ -877,9 +877,9 @@ mod tests {
     use kvsan_sanitizer::{NodeRole, PoolId, RequestId, TenantId};
 
     use super::*;
-    use crate::engine::EngineConfig;
     use crate::hooks::Hooks;
     use crate::model::{AttentionCheck, SyntheticSpec};
+    use crate::node::executor::NodeSettings;
     use crate::node::scheduler::SchedulerConfig;
     use crate::sampler::SamplingParams;
     use crate::transport::in_process;
@@ -907,19 +907,18 @@ mod tests {
             .build()
             .unwrap(),
         );
-        let cfg = EngineConfig {
+        let cfg = NodeSettings {
             page_slots: PAGE_SLOTS,
             hooks: Hooks::none(),
             check: AttentionCheck::Unchecked,
             anomaly: crate::anomaly::AnomalyAction::Abort,
-            ..EngineConfig::default()
         };
         let core = Executor::new(
             model.clone(),
             CONTEXT / PAGE_SLOTS,
             NodeRole::Decode,
             "decode",
-            &cfg,
+            cfg,
         )
         .unwrap();
         let (tx, _) = unbounded();

@@ -46,6 +46,20 @@ pub struct NodeStats {
     pub anomalies: AnomalyCounts,
 }
 
+/// How a node is set up: the engine configuration's part that every node
+/// shares.
+#[derive(Clone, Debug)]
+pub(crate) struct NodeSettings {
+    /// Token slots per KV page.
+    pub page_slots: usize,
+    /// The hook target.
+    pub hooks: Hooks,
+    /// How attention reads the pool.
+    pub check: AttentionCheck,
+    /// What the anomaly monitor does with a flagged request.
+    pub anomaly: crate::anomaly::AnomalyAction,
+}
+
 /// A sequence's share of one step: `n` new tokens from `computed`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Planned {
@@ -138,16 +152,16 @@ fn row_error(node: &str, fault: &RowFault) -> RequestError {
 }
 
 impl Executor {
-    /// A node named `name` with a pool of `n_pages` pages, with `cfg`'s
-    /// page size, hooks, attention check and anomaly action.
+    /// A node named `name` with a pool of `n_pages` pages, set up as `cfg`
+    /// says.
     pub fn new(
         model: Arc<Model>,
         n_pages: usize,
         role: NodeRole,
         name: &str,
-        cfg: &crate::engine::EngineConfig,
+        cfg: NodeSettings,
     ) -> Result<Executor, crate::EngineError> {
-        let (page_slots, hooks) = (cfg.page_slots, cfg.hooks.clone());
+        let (page_slots, hooks) = (cfg.page_slots, cfg.hooks);
         let geometry = model.kv_geometry(page_slots);
         let mut pool = KvPool::new(geometry, n_pages)?;
         pool.set_quarantine(hooks.quarantine_pages() as usize);
