@@ -20,6 +20,13 @@
 //! retrying for `--peer-retry-secs`, and reconnects the same way after its
 //! link drops.
 //!
+//! The peer link is authenticated with `--peer-key FILE`, the deployment's
+//! pre-shared key ([`kvsan_engine::transport::peer_auth`]): a peer that
+//! does not prove it holds the same key is refused before any page is
+//! reserved for it. Without a key a node only listens on or connects to a
+//! loopback peer address, unless `--insecure-peer-link` says otherwise; it
+//! says at start which mode it runs in.
+//!
 //! Clients speak the JSON-lines protocol of [`client`] (`--api jsonl`, the
 //! default for now) or the OpenAI-compatible HTTP API of [`http`]
 //! (`--api http`), whose tenants come from `--api-keys FILE`.
@@ -28,7 +35,7 @@ mod client;
 mod http;
 mod text;
 
-use std::net::TcpListener;
+use std::net::{TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +46,7 @@ use kvsan_engine::engine::{Engine, EngineConfig, PrefillControl, serve_prefill};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::{Model, SyntheticSpec};
 use kvsan_engine::tokenizer::Tokenizer;
+use kvsan_engine::transport::peer_auth::PeerKey;
 use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
 use kvsan_engine::transport::{Link, LinkDown, ToDecode, ToPrefill};
 
@@ -135,6 +143,18 @@ pub struct Args {
     /// gives up and exits with an error (at start and after a link drop).
     #[arg(long, default_value_t = 30)]
     pub peer_retry_secs: u64,
+    /// The deployment's pre-shared key for the peer link (roles decode,
+    /// prefill): at least 32 bytes, raw or hex (`openssl rand -hex 32`).
+    /// Both nodes prove they hold it before anything is exchanged, and
+    /// every frame after that is authenticated (not encrypted).
+    #[arg(long, conflicts_with = "insecure_peer_link")]
+    pub peer_key: Option<PathBuf>,
+    /// Run the peer link without authentication on a non-loopback address:
+    /// any process that reaches it can join as a peer (roles decode,
+    /// prefill). Without a key and without this flag, only loopback peer
+    /// addresses are allowed.
+    #[arg(long)]
+    pub insecure_peer_link: bool,
     /// Client interface (roles unified, decode, disagg; default jsonl).
     #[arg(long, value_enum)]
     pub api: Option<Api>,
@@ -153,6 +173,9 @@ pub struct Args {
 /// prefill role, until the decode node stays unreachable).
 pub fn run(args: &Args) -> anyhow::Result<()> {
     check_flags(args)?;
+    // Before the model loads: a bad key, or a non-loopback link without
+    // one, is a start-up error.
+    let link_opts = peer_link_options(args)?;
     // Before the model loads: a missing RDMA device is a start-up error.
     let rdma = open_rdma(args)?;
     // Engine logs (link drops, refusals) go to stderr; `RUST_LOG` filters them.
@@ -172,7 +195,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let context_length = model.config().context_length;
     stop_on_signals(cfg.hooks.clone())?;
     let (engine, peers) = match (args.role, rdma) {
-        (Role::Prefill, rdma) => return run_prefill(args, model, &cfg, rdma),
+        (Role::Prefill, rdma) => return run_prefill(args, model, &cfg, rdma, &link_opts),
         (Role::Unified, _) => (Engine::unified(model, &cfg)?, PeerTransport::Tcp),
         (Role::Disagg, _) => (Engine::disaggregated(model, &cfg)?, PeerTransport::Tcp),
         (Role::Decode, None) => (Engine::decode_only(model, &cfg)?, PeerTransport::Tcp),
@@ -192,7 +215,52 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             hooks: cfg.hooks.clone(),
         },
     };
-    run_front(args, engine, text, peers, api)
+    run_front(args, engine, text, peers, api, link_opts)
+}
+
+/// The TCP options of the peer link: authenticated with `--peer-key`, or
+/// plain on a loopback address, or plain anywhere with
+/// `--insecure-peer-link`. Says which at start.
+fn peer_link_options(args: &Args) -> anyhow::Result<TcpOptions> {
+    let (flag, addr) = match (&args.peer_listen, &args.peer) {
+        (Some(a), _) => ("--peer-listen", a),
+        (None, Some(a)) => ("--peer", a),
+        (None, None) => return Ok(TcpOptions::default()),
+    };
+    if let Some(path) = &args.peer_key {
+        if args.transport == Some(Transport::Rdma) {
+            bail!(
+                "--peer-key is not supported with --transport rdma yet: its side channel is not authenticated"
+            );
+        }
+        let key = PeerKey::from_file(path)?;
+        eprintln!(
+            "kvsan: peer link authenticated with the key in {} (authenticity and integrity, not confidentiality)",
+            path.display()
+        );
+        return Ok(TcpOptions {
+            auth: Some(key),
+            ..TcpOptions::default()
+        });
+    }
+    let loopback = addr
+        .to_socket_addrs()
+        .with_context(|| format!("{flag} {addr}: cannot resolve the address"))?
+        .all(|a| a.ip().is_loopback());
+    if loopback {
+        eprintln!(
+            "kvsan: peer link NOT authenticated (no --peer-key), loopback only: {flag} {addr}"
+        );
+    } else if args.insecure_peer_link {
+        eprintln!(
+            "kvsan: peer link NOT authenticated (--insecure-peer-link): any process that reaches {flag} {addr} can join as a peer"
+        );
+    } else {
+        bail!(
+            "{flag} {addr} is not a loopback address: a peer link off this host needs --peer-key FILE (the deployment's shared key), or --insecure-peer-link to accept any peer without authentication"
+        );
+    }
+    Ok(TcpOptions::default())
 }
 
 /// The client interface `run_front` serves, with what it needs.
@@ -288,7 +356,7 @@ fn stop_on_signals(hooks: Hooks) -> anyhow::Result<()> {
 fn check_flags(args: &Args) -> anyhow::Result<()> {
     let role = args.role;
     let front_roles: &[Role] = &[Role::Unified, Role::Decode, Role::Disagg];
-    let flags: [(&str, bool, &[Role]); 11] = [
+    let flags: [(&str, bool, &[Role]); 13] = [
         ("--listen", args.listen.is_some(), front_roles),
         ("--api", args.api.is_some(), front_roles),
         ("--api-keys", args.api_keys.is_some(), front_roles),
@@ -322,6 +390,16 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
         (
             "--rdma-gid-index",
             args.rdma_gid_index.is_some(),
+            &[Role::Decode, Role::Prefill],
+        ),
+        (
+            "--peer-key",
+            args.peer_key.is_some(),
+            &[Role::Decode, Role::Prefill],
+        ),
+        (
+            "--insecure-peer-link",
+            args.insecure_peer_link,
             &[Role::Decode, Role::Prefill],
         ),
     ];
@@ -399,6 +477,7 @@ fn run_front(
     text: Option<Arc<TextSide>>,
     transport: PeerTransport,
     api: FrontApi,
+    link_opts: TcpOptions,
 ) -> anyhow::Result<()> {
     let engine = Arc::new(engine);
     let listen = args.listen.as_deref().expect("checked by check_flags");
@@ -416,7 +495,7 @@ fn run_front(
         std::thread::Builder::new()
             .name("kvsan-peer-accept".into())
             .spawn(move || match transport {
-                PeerTransport::Tcp => accept_prefill_nodes(&peers, &engine),
+                PeerTransport::Tcp => accept_prefill_nodes(&peers, &engine, &link_opts),
                 #[cfg(feature = "rdma")]
                 PeerTransport::Rdma(region) => accept_rdma_prefill_nodes(&peers, &engine, &region),
             })
@@ -454,17 +533,21 @@ fn run_front(
 }
 
 /// Attaches every prefill node that connects; a new connection replaces
-/// the previous link (requests still waiting on that one are aborted).
-fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Engine) {
-    let opts = TcpOptions::default();
+/// the previous link (requests still waiting on that one are aborted). A
+/// connection that fails authentication is refused before it replaces
+/// anything (the handshake runs here, bounded by its deadline).
+fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Engine, opts: &TcpOptions) {
     loop {
-        match peers.accept_decode(None, &opts) {
+        match peers.accept_decode(None, opts) {
             Ok((link, inbox)) => {
                 let peer = link.peer().to_string();
                 engine.attach_prefill(Box::new(link), inbox);
                 // Said once attached: a request submitted after this line
                 // reaches the decode node after the link.
                 eprintln!("kvsan: prefill node connected ({peer})");
+            }
+            Err(kvsan_engine::EngineError::PeerAuth(e)) => {
+                eprintln!("kvsan: refused a prefill node: {e}");
             }
             Err(e) => {
                 eprintln!("kvsan: accepting a prefill node failed: {e}");
@@ -517,6 +600,7 @@ fn run_prefill(
     model: Arc<Model>,
     cfg: &EngineConfig,
     rdma: Option<RdmaDevice>,
+    opts: &TcpOptions,
 ) -> anyhow::Result<()> {
     let peer = args.peer.clone().expect("checked by check_flags");
     let retry = Duration::from_secs(args.peer_retry_secs);
@@ -531,7 +615,6 @@ fn run_prefill(
     }
     #[cfg(not(feature = "rdma"))]
     let None = rdma;
-    let opts = TcpOptions::default();
     let mut previous: Option<Arc<TcpLink<ToDecode>>> = None;
     serve_decode_peer(args, model, cfg, "TCP", |reconnecting| {
         if let Some(prev) = previous.take().filter(|_| reconnecting) {
@@ -540,7 +623,7 @@ fn run_prefill(
                 .unwrap_or_else(|| "the link closed".into());
             eprintln!("kvsan: the link to the decode node dropped ({why})");
         }
-        let (link, rx) = tcp::connect_prefill(peer.as_str(), retry, &opts)?;
+        let (link, rx) = tcp::connect_prefill(peer.as_str(), retry, opts)?;
         let link = Arc::new(link);
         previous = Some(link.clone());
         let boxed: Box<dyn Link<ToDecode>> = Box::new(SharedLink(link));
@@ -591,6 +674,9 @@ fn serve_decode_peer(
     serve_prefill(model, cfg, inbox, connect)?;
     drop(control);
     match failure {
+        Some(e @ kvsan_engine::EngineError::PeerAuth(_)) => Err(anyhow::Error::new(e).context(
+            format!("the decode node at {peer} and this node did not authenticate each other"),
+        )),
         Some(e) => Err(anyhow::Error::new(e).context(format!(
             "the decode node at {peer} could not be reached over {transport} within {}s",
             args.peer_retry_secs
