@@ -52,7 +52,9 @@ pub const DEFAULT_HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 /// Data bytes of one record at most.
 pub const MAX_RECORD: usize = 64 << 10;
 
-const MAGIC: &[u8; 8] = b"KVSNAUTH";
+/// The first bytes of the handshake. A plain link's frames start with
+/// "KVSN" too, so a node without a key reads the rest as the version "AU".
+pub const HANDSHAKE_MAGIC: &[u8; 8] = b"KVSNAUTH";
 const VERSION: u16 = 1;
 const NONCE_LEN: usize = 32;
 const HELLO_LEN: usize = 8 + 2 + 1 + NONCE_LEN;
@@ -257,7 +259,7 @@ pub fn handshake(
     let mut mine = [0u8; NONCE_LEN];
     rand::fill(&mut mine);
     let mut hello = Vec::with_capacity(HELLO_LEN);
-    hello.extend_from_slice(MAGIC);
+    hello.extend_from_slice(HANDSHAKE_MAGIC);
     hello.extend_from_slice(&VERSION.to_le_bytes());
     hello.push(me.byte());
     hello.extend_from_slice(&mine);
@@ -265,7 +267,7 @@ pub fn handshake(
 
     let mut theirs_hello = [0u8; HELLO_LEN];
     read_by(stream, &mut theirs_hello[..8], until).map_err(|e| io("read hello", e))?;
-    if &theirs_hello[..8] != MAGIC {
+    if &theirs_hello[..8] != HANDSHAKE_MAGIC {
         let mut found = [0u8; 8];
         found.copy_from_slice(&theirs_hello[..8]);
         return Err(PeerAuthError::NotAuthenticating {

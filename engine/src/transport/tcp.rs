@@ -634,6 +634,14 @@ impl<In: Inbox> Reader<In> {
                 ),
                 None => format!("connection with {} failed: {source}", self.peer),
             },
+            WireError::UnsupportedVersion { version, .. }
+                if version.to_le_bytes() == peer_auth::HANDSHAKE_MAGIC[4..6] =>
+            {
+                format!(
+                    "{} requires an authenticated link: start this node with the deployment's --peer-key",
+                    self.peer
+                )
+            }
             e => format!("frame from {} breaks the stream: {e}", self.peer),
         }
     }

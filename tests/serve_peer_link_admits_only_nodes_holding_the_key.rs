@@ -1,0 +1,299 @@
+//! `kvsan serve` with `--peer-key`, as real processes on loopback: a decode
+//! and a prefill process holding the same key serve the tokens a unified
+//! process serves; a prefill process with another key or none, and a peer
+//! that stalls the handshake, are refused with a line naming their address
+//! and why, and decode goes on serving its real prefill process; a frame
+//! altered or replayed on the wire drops the link with the reason and the
+//! prefill process reconnects. Without a key, a non-loopback peer address
+//! is refused at start. Clients speak HTTP (`curl`).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+mod serve_common;
+use serve_common::{START_BOUND, Server, peer_key_file};
+
+/// How long any one expected event may take.
+const BOUND: Duration = Duration::from_secs(20);
+/// Bytes the prefill side sends in the handshake: hello (43) and proof (32).
+const HANDSHAKE_BYTES: usize = 75;
+
+fn path_arg(p: &std::path::Path) -> String {
+    p.to_str().expect("UTF-8 path").to_string()
+}
+
+/// A decode process holding `key`, with an HTTP front; its client and
+/// peer addresses.
+fn start_decode(key: &str) -> (Server, String, String) {
+    let decode = Server::start(
+        "decode",
+        &[
+            "--role",
+            "decode",
+            "--synthetic",
+            "--api",
+            "http",
+            "--listen",
+            "127.0.0.1:0",
+            "--peer-listen",
+            "127.0.0.1:0",
+            "--peer-key",
+            key,
+        ],
+    );
+    decode.wait_for("peer link authenticated with the key in", START_BOUND);
+    let addrs = decode.serving();
+    let listen = addrs.listen.expect("decode prints listen=");
+    let peer = addrs.peer_listen.expect("decode prints peer-listen=");
+    (decode, listen, peer)
+}
+
+fn start_prefill(name: &'static str, peer: &str, key: Option<&str>) -> Server {
+    let mut args = vec!["--role", "prefill", "--synthetic", "--peer", peer];
+    if let Some(key) = key {
+        args.extend(["--peer-key", key]);
+    }
+    Server::start(name, &args)
+}
+
+/// The greedy completion of `prompt` (token ids) from the HTTP server at `addr`.
+fn complete(addr: &str, prompt: &[u64], max_tokens: usize) -> Vec<u64> {
+    let body =
+        json!({"model": "synthetic", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "60",
+            "-H",
+            "Content-Type: application/json",
+        ])
+        .args(["--data-binary", &body.to_string()])
+        .arg(format!("http://{addr}/v1/completions"))
+        .output()
+        .expect("run curl");
+    assert!(
+        out.status.success(),
+        "curl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{v}");
+    choice["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids: {v}"))
+        .iter()
+        .map(|t| t.as_u64().expect("token id"))
+        .collect()
+}
+
+/// A deterministic prompt of `len` token ids inside the synthetic vocabulary.
+fn prompt(len: usize, salt: u64) -> Vec<u64> {
+    (0..len as u64)
+        .map(|i| (i * 31 + salt * 7 + 3) % 251)
+        .collect()
+}
+
+#[test]
+fn with_the_same_key_a_decode_and_a_prefill_process_serve_what_a_unified_process_serves() {
+    let key = path_arg(&peer_key_file("serves", 0x11));
+    let (decode, listen, peer) = start_decode(&key);
+    let prefill = start_prefill("prefill", &peer, Some(&key));
+    prefill.wait_for("peer link authenticated with the key in", START_BOUND);
+    decode.wait_for("prefill node connected", START_BOUND);
+    let unified = Server::start(
+        "unified",
+        &[
+            "--role",
+            "unified",
+            "--synthetic",
+            "--api",
+            "http",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let unified_addr = unified.serving().listen.expect("listen=");
+    for (p, n) in [(prompt(17, 2), 16), (prompt(700, 3), 8)] {
+        let disagg = complete(&listen, &p, n);
+        assert_eq!(disagg.len(), n);
+        assert_eq!(
+            disagg,
+            complete(&unified_addr, &p, n),
+            "prompt of {} tokens: authenticated disaggregated and unified differ",
+            p.len()
+        );
+    }
+}
+
+#[test]
+fn a_wrong_key_no_key_or_a_stalled_handshake_is_refused_and_decode_serves_its_real_prefill() {
+    let key = path_arg(&peer_key_file("refuses", 0x22));
+    let (decode, listen, peer) = start_decode(&key);
+    let _real = start_prefill("prefill", &peer, Some(&key));
+    decode.wait_for("prefill node connected", START_BOUND);
+
+    let other = path_arg(&peer_key_file("refuses", 0x33));
+    let impostor = start_prefill("impostor", &peer, Some(&other));
+    let line = decode.wait_for("refused a prefill node", BOUND);
+    assert!(
+        line.contains("prefill@127.0.0.1:"),
+        "names the address: {line}"
+    );
+    assert!(
+        line.contains("key proof does not verify"),
+        "says why: {line}"
+    );
+    impostor.wait_for("did not authenticate each other", BOUND);
+
+    let keyless = start_prefill("keyless", &peer, None);
+    let line = decode.wait_for("did not open an authenticated handshake", START_BOUND);
+    assert!(
+        line.contains("refused a prefill node: peer prefill@127.0.0.1:"),
+        "{line}"
+    );
+    keyless.wait_for("requires an authenticated link", BOUND);
+    drop(keyless);
+
+    let stalled = TcpStream::connect(&peer).unwrap();
+    let here = stalled.local_addr().unwrap();
+    let line = decode.wait_for("did not finish the handshake in time", BOUND);
+    assert!(
+        line.contains(&format!("refused a prefill node: peer prefill@{here}")),
+        "{line}"
+    );
+
+    // The real prefill process's link was never replaced: requests are served.
+    let p = prompt(300, 4);
+    assert_eq!(complete(&listen, &p, 6).len(), 6);
+}
+
+/// What the relay does to the prefill → decode bytes after the handshake,
+/// one entry per connection it relays, then it relays faithfully.
+#[derive(Clone, Copy, Debug)]
+enum Meddle {
+    /// Flips one bit of the first record.
+    Alter,
+    /// Sends the first record twice.
+    Replay,
+}
+
+/// Relays prefill processes to `decode`, meddling with the first
+/// connections as `plan` says; returns the address prefill connects to.
+fn relay(decode: String, plan: Vec<Meddle>) -> String {
+    let front = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = front.local_addr().unwrap().to_string();
+    thread::spawn(move || {
+        let mut plan = plan.into_iter();
+        for from_prefill in front.incoming() {
+            let Ok(mut from_prefill) = from_prefill else {
+                continue;
+            };
+            let mut to_decode = TcpStream::connect(&decode).unwrap();
+            let (mut from_decode, mut to_prefill) = (
+                to_decode.try_clone().unwrap(),
+                from_prefill.try_clone().unwrap(),
+            );
+            thread::spawn(move || {
+                let _ = std::io::copy(&mut from_decode, &mut to_prefill);
+                let _ = to_prefill.shutdown(Shutdown::Write);
+            });
+            let meddle = plan.next();
+            thread::spawn(move || {
+                if let Some(meddle) = meddle {
+                    let mut handshake = [0u8; HANDSHAKE_BYTES];
+                    from_prefill.read_exact(&mut handshake).unwrap();
+                    to_decode.write_all(&handshake).unwrap();
+                    let mut len = [0u8; 4];
+                    from_prefill.read_exact(&mut len).unwrap();
+                    let mut record = len.to_vec();
+                    record.resize(4 + u32::from_le_bytes(len) as usize + 32, 0);
+                    from_prefill.read_exact(&mut record[4..]).unwrap();
+                    match meddle {
+                        Meddle::Alter => {
+                            record[4] ^= 1;
+                            to_decode.write_all(&record).unwrap();
+                        }
+                        Meddle::Replay => {
+                            to_decode.write_all(&record).unwrap();
+                            to_decode.write_all(&record).unwrap();
+                        }
+                    }
+                }
+                let _ = std::io::copy(&mut from_prefill, &mut to_decode);
+                let _ = to_decode.shutdown(Shutdown::Write);
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn an_altered_or_a_replayed_frame_drops_the_link_with_the_reason_and_prefill_reconnects() {
+    let key = path_arg(&peer_key_file("meddled", 0x44));
+    let (decode, listen, peer) = start_decode(&key);
+    let via = relay(peer, vec![Meddle::Alter, Meddle::Replay]);
+    let _prefill = start_prefill("prefill", &via, Some(&key));
+    for refused in ["record 0 refused", "record 1 refused"] {
+        let line = decode.wait_for(refused, START_BOUND);
+        assert!(
+            line.contains("prefill@127.0.0.1:"),
+            "names the address: {line}"
+        );
+        assert!(line.contains("fails authentication"), "says why: {line}");
+    }
+    // The third connection is relayed faithfully: requests are served.
+    decode.wait_for("prefill node connected", BOUND);
+    let p = prompt(200, 5);
+    assert_eq!(complete(&listen, &p, 4).len(), 4);
+}
+
+#[test]
+fn without_a_key_a_non_loopback_peer_address_is_refused_at_start() {
+    let mut decode = Server::start(
+        "decode",
+        &[
+            "--role",
+            "decode",
+            "--synthetic",
+            "--listen",
+            "127.0.0.1:0",
+            "--peer-listen",
+            "0.0.0.0:0",
+        ],
+    );
+    let line = decode.wait_for("is not a loopback address", BOUND);
+    assert!(line.contains("--peer-listen 0.0.0.0:0"), "{line}");
+    assert!(
+        line.contains("--peer-key") && line.contains("--insecure-peer-link"),
+        "{line}"
+    );
+    let deadline = Instant::now() + BOUND;
+    while decode.try_wait().is_none() {
+        assert!(Instant::now() < deadline, "the decode process did not exit");
+        thread::sleep(Duration::from_millis(20));
+    }
+
+    let insecure = Server::start(
+        "insecure",
+        &[
+            "--role",
+            "decode",
+            "--synthetic",
+            "--listen",
+            "127.0.0.1:0",
+            "--peer-listen",
+            "0.0.0.0:0",
+            "--insecure-peer-link",
+        ],
+    );
+    insecure.wait_for("peer link NOT authenticated (--insecure-peer-link)", BOUND);
+    insecure.serving();
+}
