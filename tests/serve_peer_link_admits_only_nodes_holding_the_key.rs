@@ -7,21 +7,21 @@
 //! prefill process reconnects. Without a key, a non-loopback peer address
 //! is refused at start. Clients speak HTTP (`curl`).
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+#[path = "../engine/tests/peer_link_relay/mod.rs"]
+mod peer_link_relay;
 mod serve_common;
+use peer_link_relay::{Meddle, relay};
 use serve_common::{START_BOUND, Server, peer_key_file};
 
 /// How long any one expected event may take.
 const BOUND: Duration = Duration::from_secs(20);
-/// Bytes the prefill side sends in the handshake: hello (43) and proof (32).
-const HANDSHAKE_BYTES: usize = 75;
 
 fn path_arg(p: &std::path::Path) -> String {
     p.to_str().expect("UTF-8 path").to_string()
@@ -173,66 +173,6 @@ fn a_wrong_key_no_key_or_a_stalled_handshake_is_refused_and_decode_serves_its_re
     // The real prefill process's link was never replaced: requests are served.
     let p = prompt(300, 4);
     assert_eq!(complete(&listen, &p, 6).len(), 6);
-}
-
-/// What the relay does to the prefill → decode bytes after the handshake,
-/// one entry per connection it relays, then it relays faithfully.
-#[derive(Clone, Copy, Debug)]
-enum Meddle {
-    /// Flips one bit of the first record.
-    Alter,
-    /// Sends the first record twice.
-    Replay,
-}
-
-/// Relays prefill processes to `decode`, meddling with the first
-/// connections as `plan` says; returns the address prefill connects to.
-fn relay(decode: String, plan: Vec<Meddle>) -> String {
-    let front = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = front.local_addr().unwrap().to_string();
-    thread::spawn(move || {
-        let mut plan = plan.into_iter();
-        for from_prefill in front.incoming() {
-            let Ok(mut from_prefill) = from_prefill else {
-                continue;
-            };
-            let mut to_decode = TcpStream::connect(&decode).unwrap();
-            let (mut from_decode, mut to_prefill) = (
-                to_decode.try_clone().unwrap(),
-                from_prefill.try_clone().unwrap(),
-            );
-            thread::spawn(move || {
-                let _ = std::io::copy(&mut from_decode, &mut to_prefill);
-                let _ = to_prefill.shutdown(Shutdown::Write);
-            });
-            let meddle = plan.next();
-            thread::spawn(move || {
-                if let Some(meddle) = meddle {
-                    let mut handshake = [0u8; HANDSHAKE_BYTES];
-                    from_prefill.read_exact(&mut handshake).unwrap();
-                    to_decode.write_all(&handshake).unwrap();
-                    let mut len = [0u8; 4];
-                    from_prefill.read_exact(&mut len).unwrap();
-                    let mut record = len.to_vec();
-                    record.resize(4 + u32::from_le_bytes(len) as usize + 32, 0);
-                    from_prefill.read_exact(&mut record[4..]).unwrap();
-                    match meddle {
-                        Meddle::Alter => {
-                            record[4] ^= 1;
-                            to_decode.write_all(&record).unwrap();
-                        }
-                        Meddle::Replay => {
-                            to_decode.write_all(&record).unwrap();
-                            to_decode.write_all(&record).unwrap();
-                        }
-                    }
-                }
-                let _ = std::io::copy(&mut from_prefill, &mut to_decode);
-                let _ = to_decode.shutdown(Shutdown::Write);
-            });
-        }
-    });
-    addr
 }
 
 #[test]

@@ -2,10 +2,10 @@
 //! same key, and a frame altered or replayed on the wire closes the link
 //! with the reason; the listener goes on taking the next peer.
 
+mod peer_link_relay;
 mod transport_wire_support;
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::thread;
 use std::time::Duration;
 
@@ -14,12 +14,11 @@ use kvsan_engine::EngineError;
 use kvsan_engine::transport::peer_auth::{PeerAuthError, PeerKey};
 use kvsan_engine::transport::tcp::{self, TcpOptions};
 use kvsan_engine::transport::{Inbound, Link};
+use peer_link_relay::{Meddle, relay};
 use transport_wire_support as support;
 
 /// Upper bound on any wait, so a broken link fails the test instead of hanging it.
 const BOUND: Duration = Duration::from_secs(10);
-/// Bytes each side sends in the handshake: hello (43) and proof (32).
-const HANDSHAKE_BYTES: usize = 75;
 
 fn keyed(byte: u8) -> TcpOptions {
     TcpOptions {
@@ -117,58 +116,10 @@ fn a_peer_that_stalls_the_handshake_is_dropped() {
     );
 }
 
-/// What a man in the middle does to the prefill → decode bytes after the
-/// handshake.
-#[derive(Clone, Copy)]
-enum Meddle {
-    /// Flips one bit of the first record's data.
-    Alter,
-    /// Sends the first record twice.
-    Replay,
-}
-
-/// A relay between a prefill side and the decode listener at `decode`
-/// that meddles once; returns the address prefill connects to.
-fn relay(decode: SocketAddr, meddle: Meddle) -> SocketAddr {
-    let front = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = front.local_addr().unwrap();
-    thread::spawn(move || {
-        let (mut from_prefill, _) = front.accept().unwrap();
-        let mut to_decode = TcpStream::connect(decode).unwrap();
-        let (mut from_decode, mut to_prefill) = (
-            to_decode.try_clone().unwrap(),
-            from_prefill.try_clone().unwrap(),
-        );
-        thread::spawn(move || {
-            let _ = std::io::copy(&mut from_decode, &mut to_prefill);
-            let _ = to_prefill.shutdown(Shutdown::Write);
-        });
-        let mut handshake = [0u8; HANDSHAKE_BYTES];
-        from_prefill.read_exact(&mut handshake).unwrap();
-        to_decode.write_all(&handshake).unwrap();
-        let mut len = [0u8; 4];
-        from_prefill.read_exact(&mut len).unwrap();
-        let mut record = len.to_vec();
-        record.resize(4 + u32::from_le_bytes(len) as usize + 32, 0);
-        from_prefill.read_exact(&mut record[4..]).unwrap();
-        match meddle {
-            Meddle::Alter => {
-                record[4] ^= 1;
-                to_decode.write_all(&record).unwrap();
-            }
-            Meddle::Replay => {
-                to_decode.write_all(&record).unwrap();
-                to_decode.write_all(&record).unwrap();
-            }
-        }
-        let _ = std::io::copy(&mut from_prefill, &mut to_decode);
-    });
-    addr
-}
-
 fn meddled_link_closes_with(meddle: Meddle, record: &str) {
     let listener = tcp::listen("127.0.0.1:0").unwrap();
-    let prefill = prefill_to(relay(listener.local_addr(), meddle), keyed(1));
+    let via = relay(listener.local_addr().to_string(), vec![meddle]);
+    let prefill = prefill_to(via.parse().unwrap(), keyed(1));
     let (_to_prefill, decode_inbox) = listener.accept_decode(Some(BOUND), &keyed(1)).unwrap();
     let _prefill_end = prefill.join().unwrap().unwrap();
     let Inbound::Disconnected { reason } = next(&decode_inbox) else {
