@@ -2,7 +2,8 @@
 //! and a prefill process holding the same key serve the tokens a unified
 //! process serves; a prefill process with another key or none, and a peer
 //! that stalls the handshake, are refused with a line naming their address
-//! and why, and decode goes on serving its real prefill process; a frame
+//! and why, the stalled one without delaying the real prefill process, and
+//! decode goes on serving that one; a frame
 //! altered or replayed on the wire drops the link with the reason and the
 //! prefill process reconnects. Without a key, a non-loopback peer address
 //! is refused at start. Clients speak HTTP (`curl`).
@@ -134,11 +135,20 @@ fn with_the_same_key_a_decode_and_a_prefill_process_serve_what_a_unified_process
 }
 
 #[test]
-fn a_wrong_key_no_key_or_a_stalled_handshake_is_refused_and_decode_serves_its_real_prefill() {
+fn a_stalled_handshake_a_wrong_key_or_no_key_is_refused_and_decode_serves_its_real_prefill() {
     let key = path_arg(&peer_key_file("refuses", 0x22));
     let (decode, listen, peer) = start_decode(&key);
+    // A socket that never sends its hello, connected before the real
+    // prefill process: the real one is attached while it stalls.
+    let stalled = TcpStream::connect(&peer).unwrap();
+    let here = stalled.local_addr().unwrap();
     let _real = start_prefill("prefill", &peer, Some(&key));
     decode.wait_for("prefill node connected", START_BOUND);
+    let line = decode.wait_for("did not finish the handshake in time", BOUND);
+    assert!(
+        line.contains(&format!("refused a prefill node: peer prefill@{here}")),
+        "{line}"
+    );
 
     let other = path_arg(&peer_key_file("refuses", 0x33));
     let impostor = start_prefill("impostor", &peer, Some(&other));
@@ -161,14 +171,6 @@ fn a_wrong_key_no_key_or_a_stalled_handshake_is_refused_and_decode_serves_its_re
     );
     keyless.wait_for("requires an authenticated link", BOUND);
     drop(keyless);
-
-    let stalled = TcpStream::connect(&peer).unwrap();
-    let here = stalled.local_addr().unwrap();
-    let line = decode.wait_for("did not finish the handshake in time", BOUND);
-    assert!(
-        line.contains(&format!("refused a prefill node: peer prefill@{here}")),
-        "{line}"
-    );
 
     // The real prefill process's link was never replaced: requests are served.
     let p = prompt(300, 4);

@@ -38,6 +38,7 @@ mod text;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -532,27 +533,60 @@ fn run_front(
     }
 }
 
+/// Peer handshakes in progress at most; a connection beyond them is refused.
+const MAX_HANDSHAKES: usize = 16;
+
 /// Attaches every prefill node that connects; a new connection replaces
 /// the previous link (requests still waiting on that one are aborted). A
 /// connection that fails authentication is refused before it replaces
-/// anything (the handshake runs here, bounded by its deadline).
-fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Engine, opts: &TcpOptions) {
+/// anything. Each handshake runs on its own thread, bounded by its
+/// deadline and by [`MAX_HANDSHAKES`], so a peer that stalls it delays
+/// nobody else.
+fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Arc<Engine>, opts: &TcpOptions) {
+    let handshakes = Arc::new(AtomicUsize::new(0));
     loop {
-        match peers.accept_decode(None, opts) {
-            Ok((link, inbox)) => {
-                let peer = link.peer().to_string();
-                engine.attach_prefill(Box::new(link), inbox);
-                // Said once attached: a request submitted after this line
-                // reaches the decode node after the link.
-                eprintln!("kvsan: prefill node connected ({peer})");
-            }
-            Err(kvsan_engine::EngineError::PeerAuth(e)) => {
-                eprintln!("kvsan: refused a prefill node: {e}");
-            }
+        let stream = match peers.accept(None) {
+            Ok(stream) => stream,
             Err(e) => {
                 eprintln!("kvsan: accepting a prefill node failed: {e}");
                 std::thread::sleep(Duration::from_millis(100));
+                continue;
             }
+        };
+        let addr = stream
+            .peer_addr()
+            .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
+        if handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            handshakes.fetch_sub(1, Ordering::AcqRel);
+            eprintln!(
+                "kvsan: refused a prefill node: peer prefill@{addr}: {MAX_HANDSHAKES} handshakes are already in progress"
+            );
+            continue;
+        }
+        let (engine, opts, count) = (Arc::clone(engine), opts.clone(), Arc::clone(&handshakes));
+        let who = addr.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvsan-peer-handshake".into())
+            .spawn(move || {
+                let opened = tcp::decode_end(stream, &opts);
+                count.fetch_sub(1, Ordering::AcqRel);
+                match opened {
+                    Ok((link, inbox)) => {
+                        let peer = link.peer().to_string();
+                        engine.attach_prefill(Box::new(link), inbox);
+                        // Said once attached: a request submitted after this
+                        // line reaches the decode node after the link.
+                        eprintln!("kvsan: prefill node connected ({peer})");
+                    }
+                    Err(kvsan_engine::EngineError::PeerAuth(e)) => {
+                        eprintln!("kvsan: refused a prefill node: {e}");
+                    }
+                    Err(e) => eprintln!("kvsan: accepting a prefill node {who} failed: {e}"),
+                }
+            });
+        if let Err(e) = spawned {
+            handshakes.fetch_sub(1, Ordering::AcqRel);
+            eprintln!("kvsan: cannot start a handshake thread for {addr}: {e}");
         }
     }
 }
