@@ -239,3 +239,18 @@ fn without_a_key_a_non_loopback_peer_address_is_refused_at_start() {
     insecure.wait_for("peer link NOT authenticated (--insecure-peer-link)", BOUND);
     insecure.serving();
 }
+
+#[test]
+fn a_short_key_file_is_refused_at_start_naming_the_file_and_the_limit() {
+    let short = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("peer-key-short-{}", std::process::id()));
+    std::fs::write(&short, "00112233").unwrap();
+    let short = path_arg(&short);
+    let prefill = start_prefill("prefill", "127.0.0.1:1", Some(&short));
+    let line = prefill.wait_for("peer key", BOUND);
+    assert!(line.contains(&short), "names the file: {line}");
+    assert!(
+        line.contains("4 bytes, at least 32"),
+        "names the limit: {line}"
+    );
+}
