@@ -75,6 +75,7 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
         }
         assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
         assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+        assert!(v["cpu_seconds"].as_f64().unwrap() > 0.0, "{v}");
         assert_eq!(v["rounds"].as_array().map(Vec::len), Some(1));
     }
     assert_eq!(variant(&doc, "off")["checks"], 0, "off checks nothing");
@@ -85,7 +86,7 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
     let pairs: Vec<&str> = ratios.iter().filter_map(|r| r["pair"].as_str()).collect();
     assert_eq!(pairs, ["debug/off", "shim/off"]);
     for r in ratios {
-        for metric in ["tokens_per_s", "ttft_p50", "tpot_p50"] {
+        for metric in ["tokens_per_s", "ttft_p50", "tpot_p50", "cpu_time"] {
             let s = &r[metric];
             let (min, med, max) = (
                 s["min"].as_f64().unwrap(),
@@ -96,6 +97,10 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
                 min.is_finite() && min > 0.0 && min <= med && med <= max,
                 "{r}"
             );
+            // One round: the interval is the one value, claimed as no more.
+            let ci = &s["ci95"];
+            assert_eq!(ci[0].as_f64(), Some(med), "{r}");
+            assert_eq!(ci[1].as_f64(), Some(med), "{r}");
         }
     }
     let k = &doc["kernel_check"];
@@ -164,4 +169,59 @@ fn full_overhead_run_builds_three_variants_and_reports_every_workload() {
             assert!(checks > 0, "{v}");
         }
     }
+}
+
+/// `--count instructions`: each variant counted under cachegrind (a run
+/// less its baseline), the sanitizer's and the shim's shares attributed,
+/// and the count repeatable (one request in flight, one kernel thread,
+/// fixed seeds).
+#[test]
+fn quick_instruction_counts_are_attributed_and_repeatable() {
+    let shim = shim_common::shim_library();
+    let out = std::env::temp_dir().join(format!("kvsan-bench-counted-{}", std::process::id()));
+    let shim_arg = shim.display().to_string();
+    let doc = run_quick(&["--count", "instructions", "--shim", &shim_arg], &out);
+    let counted = &doc["instructions"];
+    let entry = |name: &str| {
+        counted["variants"]
+            .as_array()
+            .expect("variants")
+            .iter()
+            .find(|v| v["name"] == name)
+            .unwrap_or_else(|| panic!("no counted {name}: {counted}"))
+            .clone()
+    };
+    let count = |v: &Value, key: &str| v[key].as_u64().unwrap_or_else(|| panic!("{key}: {v}"));
+    let (off, debug, shim_run) = (entry("off"), entry("debug"), entry("shim"));
+    assert!(count(&off, "instructions") > 1_000_000, "{off}");
+    assert_eq!(count(&off, "checks"), 0);
+    assert!(count(&debug, "checks") > 0 && count(&shim_run, "checks") > 0);
+    // The checks run in the sanitizer's code; the shim's C ABI only under the shim.
+    assert!(count(&debug["inside"], "sanitizer") > count(&off["inside"], "sanitizer"));
+    assert_eq!(count(&debug["inside"], "shim"), 0);
+    assert!(count(&shim_run["inside"], "shim") > 0);
+    let pairs: Vec<&str> = counted["ratios"]
+        .as_array()
+        .expect("ratios")
+        .iter()
+        .map(|r| {
+            assert!(
+                r["instructions"].as_f64().unwrap() > 1.0,
+                "checking costs: {r}"
+            );
+            r["pair"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(pairs, ["debug/off", "shim/off"]);
+    // The same run again counts the same instructions, to well under 0.1 %.
+    let again = run_quick(&["--count", "instructions", "--variants", "off"], &out);
+    let first = count(&off["run"], "instructions") as f64;
+    let second = again["instructions"]["variants"][0]["run"]["instructions"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        ((second - first) / first).abs() < 0.001,
+        "{first} then {second} instructions"
+    );
+    let _ = std::fs::remove_dir_all(&out);
 }

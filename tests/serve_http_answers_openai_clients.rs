@@ -1,4 +1,4 @@
-//! `kvsan serve --api http` answers OpenAI clients: real server processes
+//! `kvsan serve` answers OpenAI clients: real server processes
 //! on loopback, driven by `curl` (SSE framing, statuses and error bodies,
 //! as bytes on the wire) and by the official `openai` Python package.
 //!
@@ -6,8 +6,6 @@
 //! carry `token_ids`) covers the wire format; the default model covers
 //! text, the chat template and the Python client.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
 
@@ -15,38 +13,18 @@ use serde_json::{Value, json};
 
 mod serve_common;
 use serve_common::Server;
+use serve_common::client::{BOUND, RawStream};
 
-/// Generous bound on one exchange: a hang fails, nothing is timed.
-const BOUND: Duration = Duration::from_secs(60);
-
-/// A synthetic-model HTTP server with `extra` flags, and its address.
+/// A unified synthetic-model server with `extra` flags, and its address.
 fn synthetic_server(extra: &[&str]) -> (Server, String) {
     let server = start_synthetic(extra);
-    let addr = listen_addr(&server);
+    let addr = server.listen();
     (server, addr)
 }
 
-/// A synthetic-model HTTP server with `extra` flags, before its serving line.
+/// A unified synthetic-model server with `extra` flags, before its serving line.
 fn start_synthetic(extra: &[&str]) -> Server {
-    let mut args = vec![
-        "--role",
-        "unified",
-        "--synthetic",
-        "--api",
-        "http",
-        "--listen",
-        "127.0.0.1:0",
-    ];
-    args.extend_from_slice(extra);
-    Server::start("serve-http", &args)
-}
-
-/// The client address of the serving line.
-fn listen_addr(server: &Server) -> String {
-    server
-        .serving()
-        .listen
-        .expect("listen= on the serving line")
+    Server::synthetic("serve-http", "unified", extra)
 }
 
 /// A `curl` answer: the status and the body.
@@ -204,6 +182,15 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
     let e = completions(r#"{"model": "synthetic", "prompt": [1], "top_k": "x"}"#).error(400);
     assert_eq!(e["param"], "top_k", "{e}");
 
+    let e = completions(r#"{"model": "synthetic", "prompt": [1, -2]}"#).error(400);
+    assert_eq!(e["param"], "prompt[1]", "{e}");
+
+    let e = completions(r#"{"model": "synthetic", "prompt": [1], "temperature": -1}"#).error(400);
+    assert!(
+        e["message"].as_str().unwrap().contains("temperature"),
+        "{e}"
+    );
+
     // Over the context: refused with its limit, before any stream starts.
     let long: Vec<u32> = (0..300).map(|i| i % 50).collect();
     for stream in [false, true] {
@@ -233,7 +220,7 @@ fn tenants_come_from_api_keys_and_an_unknown_key_is_refused() {
     let server = start_synthetic(&["--api-keys", keys.to_str().unwrap()]);
     // Said before the serving line.
     server.wait_for("--api-keys: 2 keys for 2 tenants", BOUND);
-    let addr = listen_addr(&server);
+    let addr = server.listen();
     let body = r#"{"model": "synthetic", "prompt": [1, 2], "max_tokens": 1}"#;
 
     let e = post(&addr, "/v1/completions", body, &[]).error(401);
@@ -282,44 +269,7 @@ fn without_a_key_file_the_server_says_it_has_one_tenant() {
     let server = start_synthetic(&[]);
     // Said before the serving line.
     server.wait_for("no --api-keys: every client is tenant 0", BOUND);
-    listen_addr(&server);
-}
-
-/// A raw HTTP/1.1 streamed request, read event by event.
-struct RawStream {
-    reader: BufReader<TcpStream>,
-}
-
-impl RawStream {
-    fn open(addr: &str, body: &str) -> RawStream {
-        Self::open_at(addr, "/v1/completions", body)
-    }
-
-    fn open_at(addr: &str, path: &str, body: &str) -> RawStream {
-        let mut stream = TcpStream::connect(addr).expect("connect");
-        stream.set_read_timeout(Some(BOUND)).unwrap();
-        let request = format!(
-            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        stream.write_all(request.as_bytes()).unwrap();
-        RawStream {
-            reader: BufReader::new(stream),
-        }
-    }
-
-    /// The next line that starts with `data: ` (chunked framing lines skipped).
-    fn next_data(&mut self) -> String {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            let n = self.reader.read_line(&mut line).expect("read the stream");
-            assert!(n > 0, "the stream ended early");
-            if let Some(data) = line.trim_end().strip_prefix("data: ") {
-                return data.to_string();
-            }
-        }
-    }
+    server.listen();
 }
 
 #[test]
@@ -393,16 +343,7 @@ fn tempfile_dir() -> std::path::PathBuf {
 
 /// A server of the default model (text, tokenizer, chat template).
 fn text_server(extra: &[&str]) -> (Server, String, String) {
-    let mut args = vec![
-        "--role",
-        "unified",
-        "--api",
-        "http",
-        "--listen",
-        "127.0.0.1:0",
-    ];
-    args.extend_from_slice(extra);
-    let server = Server::start("serve-http", &args);
+    let server = Server::http("serve-http", "unified", extra, &[]);
     let line = server.wait_for("kvsan: serving", serve_common::START_BOUND);
     let get = |key: &str| {
         line.split_whitespace()
@@ -557,38 +498,11 @@ fn disaggregated_roles_answer_over_http_as_the_unified_one_does() {
     let (_unified, unified_addr) = synthetic_server(&[]);
     let expected = greedy_ids(&unified_addr);
 
-    let (_disagg, disagg_addr) = {
-        let server = Server::start(
-            "serve-http-disagg",
-            &[
-                "--role",
-                "disagg",
-                "--synthetic",
-                "--api",
-                "http",
-                "--listen",
-                "127.0.0.1:0",
-            ],
-        );
-        let addr = listen_addr(&server);
-        (server, addr)
-    };
+    let disagg = Server::synthetic("serve-http-disagg", "disagg", &[]);
+    let disagg_addr = disagg.listen();
     assert_eq!(greedy_ids(&disagg_addr), expected, "--role disagg");
 
-    let decode = Server::start(
-        "serve-http-decode",
-        &[
-            "--role",
-            "decode",
-            "--synthetic",
-            "--api",
-            "http",
-            "--listen",
-            "127.0.0.1:0",
-            "--peer-listen",
-            "127.0.0.1:0",
-        ],
-    );
+    let decode = Server::synthetic("serve-http-decode", "decode", &[]);
     let addrs = decode.serving();
     let peer = addrs.peer_listen.expect("peer-listen= on the serving line");
     let _prefill = Server::start(

@@ -1,4 +1,4 @@
-//! 64 concurrent SSE streams against `kvsan serve --role disagg --api http`
+//! 64 concurrent SSE streams against `kvsan serve --role disagg`
 //! with the sanitizer attached (the shim preloaded): every stream ends with
 //! its finish_reason and `data: [DONE]`, every token delivered, and the
 //! sanitizer's summary at SIGTERM counts zero violations. (A refusal would
@@ -74,23 +74,13 @@ fn stream_once(addr: &str, seed: usize) -> Result<usize, u16> {
 #[test]
 fn concurrent_streams_under_the_shim_end_cleanly_with_zero_violations() {
     let shim = shim_common::shim_library();
-    let server = Server::start_with_env(
+    let server = Server::http(
         "serve-http-load",
-        &[
-            "--role",
-            "disagg",
-            "--synthetic",
-            "--api",
-            "http",
-            "--listen",
-            "127.0.0.1:0",
-        ],
+        "disagg",
+        &["--synthetic"],
         &[("LD_PRELOAD", shim.as_os_str())],
     );
-    let addr = server
-        .serving()
-        .listen
-        .expect("listen= on the serving line");
+    let addr = server.listen();
     let outcomes: Vec<Result<usize, u16>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..STREAMS)
             .map(|i| {

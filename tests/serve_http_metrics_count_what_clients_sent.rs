@@ -1,4 +1,4 @@
-//! `GET /metrics` of `kvsan serve --api http`: OpenMetrics text that the
+//! `GET /metrics` of `kvsan serve`: OpenMetrics text that the
 //! Prometheus project's parser accepts, whose counters match what the test
 //! sent, under vLLM's names and kvsan's; a client that leaves mid-stream
 //! is counted as an abort and its pages are seen coming back; and the
@@ -13,87 +13,61 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use metrics_common::Scrape;
-use serde_json::{Value, json};
+use serde_json::json;
 use serve_common::Server;
+use serve_common::client::{BOUND, Client};
 
-/// Generous bound on one exchange: a hang fails, nothing is timed.
-const BOUND: Duration = Duration::from_secs(60);
-
-/// A disaggregated synthetic-model HTTP server with `extra` flags, and its
-/// client address.
-fn server(extra: &[&str]) -> (Server, String) {
-    let mut args = vec![
-        "--role",
-        "disagg",
-        "--synthetic",
-        "--api",
-        "http",
-        "--listen",
-        "127.0.0.1:0",
-    ];
-    args.extend_from_slice(extra);
-    let server = Server::start("serve-http-metrics", &args);
+/// A disaggregated synthetic-model server with `extra` flags, and a client
+/// of it.
+fn server(extra: &[&str]) -> (Server, String, Client) {
+    let server = Server::synthetic("serve-http-metrics", "disagg", extra);
     let addr = server
         .serving()
         .listen
         .expect("listen= on the serving line");
-    (server, addr)
-}
-
-/// POSTs `body` to `/v1/completions`: the status and the JSON answer (the
-/// raw text for a stream).
-fn complete(addr: &str, body: &Value) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-sS", "--max-time", "60", "-w", "\n%{http_code}"])
-        .args(["-H", "Content-Type: application/json", "--data-binary"])
-        .arg(body.to_string())
-        .arg(format!("http://{addr}/v1/completions"))
-        .output()
-        .expect("run curl");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).expect("UTF-8");
-    let (answer, status) = text.rsplit_once('\n').expect("status line");
-    (status.parse().expect("status"), answer.to_string())
+    let client = Client::new(&addr);
+    (server, addr, client)
 }
 
 /// A prompt of `n` token ids.
-fn prompt(n: u32) -> Vec<u32> {
+fn prompt(n: u64) -> Vec<u64> {
     (1..=n).map(|i| i % 256).collect()
 }
 
 #[test]
 fn the_counters_match_what_the_clients_sent() {
-    let (_server, addr) = server(&[]);
+    let (_server, addr, client) = server(&[]);
     let idle = Scrape::of(&addr);
     assert_eq!(
         idle.value("vllm:prompt_tokens_total", &[("model_name", "synthetic")]),
         0.0
     );
-    // (prompt tokens, max_tokens, streamed): the synthetic model has no
-    // stop token, so each generates exactly max_tokens.
-    let sent = [(5, 4, false), (7, 3, true), (9, 2, false)];
-    for (n, max_tokens, stream) in sent {
-        let body = json!({
-            "model": "synthetic", "prompt": prompt(n), "max_tokens": max_tokens,
-            "temperature": 0, "stream": stream,
-        });
-        let (status, answer) = complete(&addr, &body);
-        assert_eq!(status, 200, "{answer}");
+    // (prompt tokens, max_tokens): the synthetic model has no stop token,
+    // so each generates exactly max_tokens; the second is streamed.
+    let sent = [(5, 4), (7, 3), (9, 2)];
+    for (i, (n, max_tokens)) in sent.into_iter().enumerate() {
+        if i == 1 {
+            client
+                .complete(&prompt(n), max_tokens)
+                .assert_finished(n as usize, max_tokens);
+        } else {
+            let body = json!({
+                "model": "synthetic", "prompt": prompt(n), "max_tokens": max_tokens, "temperature": 0,
+            });
+            let answer = client.post("/v1/completions", &body);
+            assert_eq!(answer.status, 200, "{answer:?}");
+        }
     }
     let over = json!({"model": "synthetic", "prompt": prompt(5), "max_tokens": 100_000});
-    assert_eq!(complete(&addr, &over).0, 400);
+    assert_eq!(client.post("/v1/completions", &over).status, 400);
 
     let m = Scrape::of(&addr);
-    let prompts: u32 = sent.iter().map(|s| s.0).sum();
-    let generated: u32 = sent.iter().map(|s| s.1).sum();
-    assert_eq!(m.value("vllm:prompt_tokens_total", &[]), f64::from(prompts));
+    let prompts: u64 = sent.iter().map(|s| s.0).sum();
+    let generated: usize = sent.iter().map(|s| s.1).sum();
+    assert_eq!(m.value("vllm:prompt_tokens_total", &[]), prompts as f64);
     assert_eq!(
         m.value("vllm:generation_tokens_total", &[]),
-        f64::from(generated)
+        generated as f64
     );
     let requests = sent.len() as f64;
     let success = [("finished_reason", "length")];
@@ -109,7 +83,7 @@ fn the_counters_match_what_the_clients_sent() {
     // Every token after a request's first is one inter-token interval.
     assert_eq!(
         m.value("vllm:inter_token_latency_seconds_count", &[]),
-        f64::from(generated) - requests
+        generated as f64 - requests
     );
     let rejected = [("limit", "context"), ("node", "decode")];
     assert_eq!(m.value("kvsan:rejections_total", &rejected), 1.0);
@@ -143,7 +117,7 @@ fn the_counters_match_what_the_clients_sent() {
 
 #[test]
 fn a_client_that_leaves_mid_stream_is_an_abort_and_its_pages_come_back() {
-    let (_server, addr) = server(&[]);
+    let (_server, addr, _client) = server(&[]);
     let body = json!({
         "model": "synthetic", "prompt": prompt(100), "max_tokens": 3900, "stream": true,
     });
@@ -220,14 +194,14 @@ fn without_a_sanitizer_the_anomaly_monitor_flags_the_incident_and_aborts_it_when
     for (mode, status) in [("log", 200), ("abort", 500)] {
         let mut flags = incident.to_vec();
         flags.extend(["--anomaly", mode]);
-        let (server, addr) = server(&flags);
+        let (server, addr, client) = server(&flags);
         let body = json!({"model": "synthetic", "prompt": prompt(1100), "max_tokens": 4});
-        let (got, answer) = complete(&addr, &body);
-        assert_eq!(got, status, "--anomaly {mode}: {answer}");
+        let answer = client.post("/v1/completions", &body);
+        assert_eq!(answer.status, status, "--anomaly {mode}: {answer:?}");
         if mode == "abort" {
-            let v: Value = serde_json::from_str(&answer).expect("JSON error");
-            assert_eq!(v["error"]["code"], "anomaly", "{v}");
-            let message = v["error"]["message"].as_str().unwrap();
+            let e = &answer.body["error"];
+            assert_eq!(e["code"], "anomaly", "{e}");
+            let message = e["message"].as_str().unwrap();
             assert!(
                 message.contains("short-kv") && message.contains("1 of the prompt's 1100"),
                 "{message}"
@@ -236,7 +210,7 @@ fn without_a_sanitizer_the_anomaly_monitor_flags_the_incident_and_aborts_it_when
         server.wait_for("anomaly short-kv", BOUND);
         // An honest request beside it is served and not flagged.
         let honest = json!({"model": "synthetic", "prompt": prompt(10), "max_tokens": 2});
-        assert_eq!(complete(&addr, &honest).0, 200);
+        assert_eq!(client.post("/v1/completions", &honest).status, 200);
         let m = Scrape::of(&addr);
         assert_eq!(
             m.value("kvsan:anomalies_total", &[("kind", "short-kv")]),

@@ -2,7 +2,7 @@
 //! the violation's id and kind — streamed or not, decided before any
 //! stream starts — and carries nothing of the prompt.
 //!
-//! The incident, re-created: `kvsan serve --role disagg --api http` with the
+//! The incident, re-created: `kvsan serve --role disagg` with the
 //! `reject-as-placeholder` fault injected and the shim preloaded; a prompt
 //! over the prefill pool is rejected by prefill but admitted by decode, and
 //! the sanitizer aborts it (`terminal-request-activity`).
@@ -21,16 +21,11 @@ use serve_common::Server;
 #[test]
 fn a_sanitizer_abort_is_a_500_naming_the_violation_id_and_kind() {
     let shim = shim_common::shim_library();
-    let server = Server::start_with_env(
+    let server = Server::http(
         "serve-http-shim",
+        "disagg",
         &[
-            "--role",
-            "disagg",
             "--synthetic",
-            "--api",
-            "http",
-            "--listen",
-            "127.0.0.1:0",
             "--prefill-pool-tokens",
             "1024",
             "--allow-pool-smaller-than-context",
@@ -39,10 +34,7 @@ fn a_sanitizer_abort_is_a_500_naming_the_violation_id_and_kind() {
         ],
         &[("LD_PRELOAD", shim.as_os_str())],
     );
-    let addr = server
-        .serving()
-        .listen
-        .expect("listen= on the serving line");
+    let addr = server.listen();
     // 1,100 tokens: over the 1,024-token prefill pool, within the context.
     let prompt: Vec<u32> = (1..=1100).map(|i| i % 256).collect();
     for stream in [false, true] {

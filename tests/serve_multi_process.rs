@@ -1,20 +1,18 @@
-//! `kvsan serve` as real processes on loopback: a decode process and a
-//! prefill process serve the same tokens as a unified one; killing the
-//! prefill process mid-transfer aborts its requests with a transport error,
-//! frees their pages, and the decode process serves on with a new prefill
-//! process; a prompt over the prefill pool is rejected before anything is
-//! allocated. Every pair runs with an authenticated peer link
-//! (`--peer-key`). Every wait is bounded; every child is killed on drop.
+//! `kvsan serve` as real processes on loopback, driven over HTTP: a decode
+//! process and a prefill process serve the same tokens as a unified one;
+//! killing the prefill process mid-transfer aborts its requests with a
+//! transport error, frees their pages, and the decode process serves on
+//! with a new prefill process; a prompt over the prefill pool is rejected
+//! before anything is allocated. Every pair runs with an authenticated
+//! peer link (`--peer-key`). Every wait is bounded; every child is killed
+//! on drop.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-
 mod serve_common;
+use serve_common::client::Client;
 use serve_common::{START_BOUND, Server, peer_key_file};
 
 /// How long any one expected event may take.
@@ -40,20 +38,7 @@ fn key() -> String {
 
 fn start_pair(prefill_args: &[&str]) -> Pair {
     let key = key();
-    let decode = Server::start(
-        "decode",
-        &[
-            "--role",
-            "decode",
-            "--synthetic",
-            "--listen",
-            "127.0.0.1:0",
-            "--peer-listen",
-            "127.0.0.1:0",
-            "--peer-key",
-            &key,
-        ],
-    );
+    let decode = Server::synthetic("decode", "decode", &["--peer-key", &key]);
     decode.wait_for("peer link authenticated", START_BOUND);
     let addrs = decode.serving();
     let peer = addrs.peer_listen.expect("decode prints peer-listen=");
@@ -82,87 +67,6 @@ fn start_prefill(peer: &str, extra: &[&str]) -> Server {
     Server::start("prefill", &args)
 }
 
-/// A client connection speaking JSON lines.
-struct Client {
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-}
-
-/// How a generation ended: its id, tokens and final line.
-#[derive(Debug)]
-struct Outcome {
-    tokens: Vec<u64>,
-    end: Value,
-}
-
-impl Outcome {
-    fn error_kind(&self) -> Option<&str> {
-        self.end["error"]["kind"].as_str()
-    }
-}
-
-impl Client {
-    fn connect(addr: &str) -> Client {
-        let stream = TcpStream::connect(addr).expect("connect to the client port");
-        stream.set_read_timeout(Some(BOUND)).unwrap();
-        stream.set_nodelay(true).unwrap();
-        Client {
-            reader: BufReader::new(stream.try_clone().unwrap()),
-            writer: stream,
-        }
-    }
-
-    fn send_raw(&mut self, line: &str) {
-        // One write per line: a line in two writes waits for the server's
-        // delayed ACK before its newline goes out.
-        self.writer
-            .write_all(format!("{line}\n").as_bytes())
-            .unwrap();
-    }
-
-    fn recv(&mut self) -> Value {
-        let mut line = String::new();
-        let n = self
-            .reader
-            .read_line(&mut line)
-            .unwrap_or_else(|e| panic!("no line from the server within {BOUND:?}: {e}"));
-        assert!(n > 0, "the server closed the connection");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
-    }
-
-    fn generate(&mut self, request: &Value) -> Outcome {
-        self.send_raw(&request.to_string());
-        let first = self.recv();
-        if first.get("error").is_some() {
-            return Outcome {
-                tokens: Vec::new(),
-                end: first,
-            };
-        }
-        assert!(first["id"].is_u64(), "first line is the id: {first}");
-        let mut tokens = Vec::new();
-        loop {
-            let v = self.recv();
-            if let Some(t) = v.get("token") {
-                tokens.push(t.as_u64().expect("token id"));
-            } else {
-                assert!(
-                    v.get("finished").is_some() || v.get("error").is_some(),
-                    "unexpected line {v}"
-                );
-                return Outcome { tokens, end: v };
-            }
-        }
-    }
-
-    /// The front node's counters.
-    fn front_stats(&mut self) -> Value {
-        self.send_raw(r#"{"stats": true}"#);
-        let v = self.recv();
-        v["stats"]["front"].clone()
-    }
-}
-
 /// A deterministic prompt of `len` token ids inside the synthetic vocabulary.
 fn prompt(len: usize, salt: u64) -> Vec<u64> {
     (0..len as u64)
@@ -170,52 +74,33 @@ fn prompt(len: usize, salt: u64) -> Vec<u64> {
         .collect()
 }
 
-fn finished(o: &Outcome, prompt_len: usize, max_tokens: usize) {
-    let fin = &o.end["finished"];
-    assert_eq!(fin["reason"], "length", "{:?}", o.end);
-    assert_eq!(fin["prompt_tokens"], prompt_len);
-    assert_eq!(fin["generated"], max_tokens);
-    assert_eq!(o.tokens.len(), max_tokens);
-}
-
 #[test]
 fn a_decode_and_a_prefill_process_serve_the_tokens_a_unified_process_serves() {
     let pair = start_pair(&[]);
     let disagg_addr = pair.listen.clone();
-    let unified = Server::start(
-        "unified",
-        &[
-            "--role",
-            "unified",
-            "--synthetic",
-            "--listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let unified_addr = unified.serving().listen.expect("listen=");
+    let unified = Server::synthetic("unified", "unified", &[]);
+    let unified_addr = unified.listen();
     let cases: Vec<(Vec<u64>, usize)> = vec![
         (prompt(1, 1), 8),
         (prompt(17, 2), 16),
         (prompt(300, 3), 8),
         (prompt(1000, 4), 12),
     ];
-    // The disaggregated requests run at once, one connection each.
+    // The disaggregated requests run at once, one client each.
     let handles: Vec<_> = cases
         .iter()
         .cloned()
         .map(|(p, n)| {
             let addr = disagg_addr.clone();
-            thread::spawn(move || {
-                Client::connect(&addr).generate(&json!({ "prompt_ids": p, "max_tokens": n }))
-            })
+            thread::spawn(move || Client::new(&addr).complete(&p, n))
         })
         .collect();
-    let mut uni = Client::connect(&unified_addr);
+    let uni = Client::new(&unified_addr);
     for ((p, n), h) in cases.iter().zip(handles) {
         let disagg = h.join().expect("client thread");
-        let alone = uni.generate(&json!({ "prompt_ids": p, "max_tokens": n }));
-        finished(&disagg, p.len(), *n);
-        finished(&alone, p.len(), *n);
+        let alone = uni.complete(p, *n);
+        disagg.assert_finished(p.len(), *n);
+        alone.assert_finished(p.len(), *n);
         assert_eq!(
             disagg.tokens,
             alone.tokens,
@@ -235,15 +120,14 @@ fn killing_the_prefill_process_mid_transfer_aborts_its_requests_frees_their_page
         listen,
         peer,
     } = start_pair(&["--step-tokens", "64"]);
-    let mut ctl = Client::connect(&listen);
+    let ctl = Client::new(&listen);
     let total = ctl.front_stats()["total_pages"].as_u64().unwrap();
     let n = 4;
     let (tx, rx) = mpsc::channel();
     for i in 0..n {
         let (addr, tx) = (listen.clone(), tx.clone());
         thread::spawn(move || {
-            let o = Client::connect(&addr)
-                .generate(&json!({ "prompt_ids": prompt(2000, i), "max_tokens": 4 }));
+            let o = Client::new(&addr).complete(&prompt(2000, i), 4);
             let _ = tx.send(o);
         });
     }
@@ -260,8 +144,9 @@ fn killing_the_prefill_process_mid_transfer_aborts_its_requests_frees_their_page
         let o = rx
             .recv_timeout(left)
             .unwrap_or_else(|_| panic!("a request did not end within {BOUND:?} of the kill"));
-        assert_eq!(o.error_kind(), Some("transport"), "{:?}", o.end);
-        let message = o.end["error"]["message"].as_str().unwrap();
+        assert_eq!(o.error_code(), Some("transport"), "{o:?}");
+        assert_eq!(o.status, 503, "refused before any token: {o:?}");
+        let message = o.error.as_ref().unwrap()["message"].as_str().unwrap();
         assert!(
             message.contains("prefill"),
             "names the prefill node: {message}"
@@ -277,8 +162,7 @@ fn killing_the_prefill_process_mid_transfer_aborts_its_requests_frees_their_page
     let _prefill = start_prefill(&peer, &[]);
     decode.wait_for("prefill node connected", START_BOUND);
     let p = prompt(500, 9);
-    let o = ctl.generate(&json!({ "prompt_ids": p, "max_tokens": 6 }));
-    finished(&o, p.len(), 6);
+    ctl.complete(&p, 6).assert_finished(p.len(), 6);
     let s = ctl.front_stats();
     assert_eq!(s["free_pages"], total, "{s}");
     assert!(s["transfers"].as_u64().unwrap() > 0, "{s}");
@@ -291,60 +175,21 @@ fn a_prompt_over_the_prefill_pool_is_rejected_over_the_wire_before_decode_alloca
         "1024",
         "--allow-pool-smaller-than-context",
     ]);
-    let mut c = Client::connect(&pair.listen);
-    let o = c.generate(&json!({ "prompt_ids": prompt(1100, 5), "max_tokens": 4 }));
-    let e = &o.end["error"];
-    assert_eq!(e["kind"], "rejected", "{e}");
-    assert_eq!(e["limit"], 1024, "{e}");
-    assert_eq!(e["prompt_tokens"], 1100, "{e}");
-    assert_eq!(e["node"], "prefill", "{e}");
+    let c = Client::new(&pair.listen);
+    let o = c.complete(&prompt(1100, 5), 4);
+    assert_eq!(o.status, 400, "{o:?}");
+    assert_eq!(o.error_code(), Some("rejected"), "{o:?}");
+    let r = &o.error.as_ref().unwrap()["rejection"];
+    assert_eq!(r["limit"], 1024, "{r}");
+    assert_eq!(r["prompt_tokens"], 1100, "{r}");
+    assert_eq!(r["node"], "prefill", "{r}");
     assert!(o.tokens.is_empty());
     let s = c.front_stats();
     assert_eq!(s["pages_allocated"], 0, "decode allocated nothing: {s}");
     assert_eq!(s["transfers"], 0, "{s}");
     // The link is fine: a prompt that fits is served.
     let p = prompt(1000, 6);
-    finished(
-        &c.generate(&json!({ "prompt_ids": p, "max_tokens": 3 })),
-        p.len(),
-        3,
-    );
-}
-
-#[test]
-fn a_malformed_line_gets_an_invalid_request_error_and_the_connection_goes_on() {
-    let unified = Server::start(
-        "unified",
-        &[
-            "--role",
-            "unified",
-            "--synthetic",
-            "--listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let mut c = Client::connect(&unified.serving().listen.expect("listen="));
-    for (line, names) in [
-        ("not json", "not valid JSON"),
-        ("[1, 2]", "JSON object"),
-        (r#"{"prompt_ids": [1], "max_token": 3}"#, "max_token"),
-        (r#"{"prompt_ids": [1, -2]}"#, "prompt_ids\"[1]"),
-        (r#"{"prompt_ids": [1], "temperature": -1}"#, "temperature"),
-        (r#"{"prompt": "hello"}"#, "prompt_ids"),
-        (r#"{"max_tokens": 3}"#, "prompt"),
-    ] {
-        c.send_raw(line);
-        let v = c.recv();
-        assert_eq!(v["error"]["kind"], "invalid-request", "{line}: {v}");
-        let message = v["error"]["message"].as_str().unwrap();
-        assert!(message.contains(names), "{line}: {message}");
-    }
-    let p = prompt(40, 7);
-    finished(
-        &c.generate(&json!({ "prompt_ids": p, "max_tokens": 5 })),
-        p.len(),
-        5,
-    );
+    c.complete(&p, 3).assert_finished(p.len(), 3);
 }
 
 #[test]

@@ -6,19 +6,17 @@
 //! decode goes on serving that one; a frame
 //! altered or replayed on the wire drops the link with the reason and the
 //! prefill process reconnects. Without a key, a non-loopback peer address
-//! is refused at start. Clients speak HTTP (`curl`).
+//! is refused at start.
 
 use std::net::TcpStream;
-use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
-
-use serde_json::{Value, json};
 
 #[path = "../engine/tests/peer_link_relay/mod.rs"]
 mod peer_link_relay;
 mod serve_common;
 use peer_link_relay::{Meddle, relay};
+use serve_common::client::Client;
 use serve_common::{START_BOUND, Server, peer_key_file};
 
 /// How long any one expected event may take.
@@ -28,25 +26,9 @@ fn path_arg(p: &std::path::Path) -> String {
     p.to_str().expect("UTF-8 path").to_string()
 }
 
-/// A decode process holding `key`, with an HTTP front; its client and
-/// peer addresses.
+/// A decode process holding `key`; its client and peer addresses.
 fn start_decode(key: &str) -> (Server, String, String) {
-    let decode = Server::start(
-        "decode",
-        &[
-            "--role",
-            "decode",
-            "--synthetic",
-            "--api",
-            "http",
-            "--listen",
-            "127.0.0.1:0",
-            "--peer-listen",
-            "127.0.0.1:0",
-            "--peer-key",
-            key,
-        ],
-    );
+    let decode = Server::synthetic("decode", "decode", &["--peer-key", key]);
     decode.wait_for("peer link authenticated with the key in", START_BOUND);
     let addrs = decode.serving();
     let listen = addrs.listen.expect("decode prints listen=");
@@ -62,37 +44,12 @@ fn start_prefill(name: &'static str, peer: &str, key: Option<&str>) -> Server {
     Server::start(name, &args)
 }
 
-/// The greedy completion of `prompt` (token ids) from the HTTP server at `addr`.
+/// The greedy completion of `prompt` (token ids) from the server at
+/// `addr`, checked to run to `max_tokens`.
 fn complete(addr: &str, prompt: &[u64], max_tokens: usize) -> Vec<u64> {
-    let body =
-        json!({"model": "synthetic", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
-    let out = Command::new("curl")
-        .args([
-            "-sS",
-            "--max-time",
-            "60",
-            "-H",
-            "Content-Type: application/json",
-        ])
-        .args(["--data-binary", &body.to_string()])
-        .arg(format!("http://{addr}/v1/completions"))
-        .output()
-        .expect("run curl");
-    assert!(
-        out.status.success(),
-        "curl failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)));
-    let choice = &v["choices"][0];
-    assert_eq!(choice["finish_reason"], "length", "{v}");
-    choice["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids: {v}"))
-        .iter()
-        .map(|t| t.as_u64().expect("token id"))
-        .collect()
+    let done = Client::new(addr).complete(prompt, max_tokens);
+    done.assert_finished(prompt.len(), max_tokens);
+    done.tokens
 }
 
 /// A deterministic prompt of `len` token ids inside the synthetic vocabulary.
@@ -109,18 +66,7 @@ fn with_the_same_key_a_decode_and_a_prefill_process_serve_what_a_unified_process
     let prefill = start_prefill("prefill", &peer, Some(&key));
     prefill.wait_for("peer link authenticated with the key in", START_BOUND);
     decode.wait_for("prefill node connected", START_BOUND);
-    let unified = Server::start(
-        "unified",
-        &[
-            "--role",
-            "unified",
-            "--synthetic",
-            "--api",
-            "http",
-            "--listen",
-            "127.0.0.1:0",
-        ],
-    );
+    let unified = Server::synthetic("unified", "unified", &[]);
     let unified_addr = unified.serving().listen.expect("listen=");
     for (p, n) in [(prompt(17, 2), 16), (prompt(700, 3), 8)] {
         let disagg = complete(&listen, &p, n);

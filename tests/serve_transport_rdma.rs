@@ -127,11 +127,8 @@ fn without_an_rdma_device_the_rdma_transport_fails_at_start_naming_the_device() 
 #[test]
 #[ignore = "requires an RDMA device"]
 fn a_decode_and_a_prefill_process_over_rdma_serve_the_tokens_a_unified_process_serves() {
-    use std::io::{BufRead, BufReader, Write};
-    use std::net::TcpStream;
-
-    use serde_json::{Value, json};
     use serve_common::START_BOUND;
+    use serve_common::client::Client;
 
     let mut rdma_args: Vec<String> = vec!["--transport".into(), "rdma".into()];
     if let Ok(device) = std::env::var("KVSAN_RDMA_DEVICE") {
@@ -161,43 +158,9 @@ fn a_decode_and_a_prefill_process_over_rdma_serve_the_tokens_a_unified_process_s
             .collect(),
     );
     decode.wait_for("prefill node connected over RDMA", START_BOUND);
-    let unified = Server::start(
-        "unified",
-        &[
-            "--role",
-            "unified",
-            "--synthetic",
-            "--listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let unified_addr = unified.serving().listen.expect("listen=");
-    let rdma_addr = addrs.listen.expect("listen=");
-
-    // One request, one connection: the id line, token lines, the end line.
-    let generate = |addr: &str, prompt: &[u64], n: usize| -> (Vec<u64>, Value) {
-        let mut stream = TcpStream::connect(addr).expect("connect");
-        stream
-            .set_read_timeout(Some(Duration::from_secs(30)))
-            .unwrap();
-        let line = json!({ "prompt_ids": prompt, "max_tokens": n }).to_string();
-        stream.write_all(format!("{line}\n").as_bytes()).unwrap();
-        let mut reader = BufReader::new(stream);
-        let mut tokens = Vec::new();
-        loop {
-            let mut line = String::new();
-            assert!(
-                reader.read_line(&mut line).unwrap() > 0,
-                "connection closed"
-            );
-            let v: Value = serde_json::from_str(&line).unwrap();
-            if let Some(t) = v.get("token") {
-                tokens.push(t.as_u64().unwrap());
-            } else if v.get("finished").is_some() || v.get("error").is_some() {
-                return (tokens, v);
-            }
-        }
-    };
+    let unified_server = Server::synthetic("unified", "unified", &[]);
+    let unified = Client::new(&unified_server.listen());
+    let over_rdma = Client::new(&addrs.listen.expect("listen="));
     for (len, salt, n) in [
         (1u64, 1u64, 8usize),
         (17, 2, 16),
@@ -205,11 +168,12 @@ fn a_decode_and_a_prefill_process_over_rdma_serve_the_tokens_a_unified_process_s
         (1000, 4, 12),
     ] {
         let prompt: Vec<u64> = (0..len).map(|i| (i * 31 + salt * 7 + 3) % 251).collect();
-        let (over_rdma, end) = generate(&rdma_addr, &prompt, n);
-        assert_eq!(end["finished"]["reason"], "length", "{end}");
-        let (alone, _) = generate(&unified_addr, &prompt, n);
+        let disagg = over_rdma.complete(&prompt, n);
+        disagg.assert_finished(prompt.len(), n);
+        let alone = unified.complete(&prompt, n);
+        alone.assert_finished(prompt.len(), n);
         assert_eq!(
-            over_rdma, alone,
+            disagg.tokens, alone.tokens,
             "prompt of {len} tokens: disaggregated over RDMA and unified differ"
         );
     }

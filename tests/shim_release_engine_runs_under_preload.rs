@@ -7,10 +7,10 @@
 //! unsanitized, loudly. (CI runs the dev-profile binary; set
 //! `KVSAN_SHIM_TEST_RELEASE=1` to build and run `--release` instead.)
 
+mod serve_common;
 mod shim_common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -216,35 +216,14 @@ fn serve_under_the_preload_chooses_the_c_hook_table_and_serves_without_violation
     assert!(chosen.contains("C hook table"), "{chosen}");
     assert_eq!(all.matches("kvsan: shadowing pool ").count(), 2, "{all}");
 
-    let stream = TcpStream::connect(&addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    stream.set_nodelay(true).unwrap();
-    let mut writer = stream.try_clone().unwrap();
-    let mut lines = BufReader::new(stream).lines();
+    let client = serve_common::client::Client::new(&addr);
     for prompt in [
         vec![
             1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
         ],
         vec![5, 4, 3],
     ] {
-        let request = serde_json::json!({"prompt_ids": prompt, "max_tokens": 5});
-        writer.write_all(format!("{request}\n").as_bytes()).unwrap();
-        let mut tokens = 0;
-        loop {
-            let line = lines.next().expect("a reply line").expect("read a reply");
-            let reply: Value = serde_json::from_str(&line).unwrap();
-            assert!(reply.get("error").is_none(), "{reply}");
-            if reply.get("token").is_some() {
-                tokens += 1;
-            }
-            if let Some(f) = reply.get("finished") {
-                assert_eq!(f["generated"], 5, "{reply}");
-                break;
-            }
-        }
-        assert_eq!(tokens, 5);
+        client.complete(&prompt, 5).assert_finished(prompt.len(), 5);
     }
     // A clean stop (SIGTERM) ends with the shim's summary line.
     let stopped = Command::new("kill")

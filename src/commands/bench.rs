@@ -11,10 +11,11 @@
 //! | `bench/kernel.rs` | checked vs unchecked paged attention on CPU |
 //! | `bench/latency.rs` | one client, trivial requests through real `kvsan serve` processes |
 //! | `bench/soak.rs` | many clients, a mixed load through `kvsan serve` under the shim, its memory sampled |
-//! | `bench/server.rs` | a `kvsan serve` child process and a JSON-lines connection to it |
+//! | `bench/server.rs` | a `kvsan serve` child process and an HTTP client of it |
 //! | `bench/plot.rs` | the SVGs: ratios with their spread, curves |
 
 mod child;
+mod instructions;
 mod kernel;
 pub mod latency;
 pub mod overhead;

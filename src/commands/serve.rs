@@ -1,10 +1,10 @@
 //! `kvsan serve`: the engine as a server, in one of four roles.
 //!
 //! ```text
-//!  --role unified   clients ──JSON lines──▶ [unified node]
-//!  --role disagg    clients ──JSON lines──▶ [decode node] ◀─in-process─▶ [prefill node]
-//!  --role decode    clients ──JSON lines──▶ [decode node] ◀──TCP──┐   (--listen, --peer-listen)
-//!  --role prefill                                   [prefill node] ┘   (--peer)
+//!  --role unified   clients ──HTTP──▶ [unified node]
+//!  --role disagg    clients ──HTTP──▶ [decode node] ◀─in-process─▶ [prefill node]
+//!  --role decode    clients ──HTTP──▶ [decode node] ◀──TCP──┐   (--listen, --peer-listen)
+//!  --role prefill                             [prefill node] ┘   (--peer)
 //! ```
 //!
 //! Between decode and prefill, `--transport tcp` (the default) carries KV in
@@ -27,11 +27,9 @@
 //! loopback peer address, unless `--insecure-peer-link` says otherwise; it
 //! says at start which mode it runs in.
 //!
-//! Clients speak the JSON-lines protocol of [`client`] (`--api jsonl`, the
-//! default for now) or the OpenAI-compatible HTTP API of [`http`]
-//! (`--api http`), whose tenants come from `--api-keys FILE`.
+//! Clients speak the OpenAI-compatible HTTP API of [`http`]; their tenants
+//! come from `--api-keys FILE`.
 
-mod client;
 mod http;
 mod text;
 
@@ -52,7 +50,6 @@ use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
 use kvsan_engine::transport::{Link, LinkDown, ToDecode, ToPrefill};
 
 use super::model_arg;
-use client::Frontend;
 use text::TextSide;
 
 /// Which node(s) this process runs.
@@ -79,17 +76,6 @@ impl Role {
     }
 }
 
-/// How clients talk to the server.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Api {
-    /// kvsan's JSON-lines protocol over TCP (the default for now).
-    #[default]
-    Jsonl,
-    /// OpenAI-compatible HTTP: /v1/completions, /v1/chat/completions (SSE
-    /// with `"stream": true`), /v1/models, /health, /tokenize, /detokenize.
-    Http,
-}
-
 /// How KV travels between a decode and a prefill process.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Transport {
@@ -111,7 +97,8 @@ pub struct Args {
     #[arg(long, conflicts_with = "synthetic")]
     pub model: Option<PathBuf>,
     /// Serve the synthetic model (random weights, no tokenizer: clients send
-    /// `prompt_ids`). Every node of a deployment must use the same model.
+    /// prompts as token-id arrays). Every node of a deployment must use the
+    /// same model.
     #[arg(long)]
     pub synthetic: bool,
     /// Context window of the synthetic model.
@@ -120,7 +107,10 @@ pub struct Args {
     /// Engine settings.
     #[command(flatten)]
     pub engine: super::engine_args::EngineArgs,
-    /// Client address (roles unified, decode, disagg); port 0 picks a free port.
+    /// Client address, OpenAI-compatible HTTP: /v1/completions,
+    /// /v1/chat/completions (SSE with `"stream": true`), /v1/models,
+    /// /health, /stats, /tokenize, /detokenize (roles unified, decode,
+    /// disagg); port 0 picks a free port.
     #[arg(long)]
     pub listen: Option<String>,
     /// Where prefill nodes connect (role decode); port 0 picks a free port.
@@ -156,16 +146,12 @@ pub struct Args {
     /// addresses are allowed.
     #[arg(long)]
     pub insecure_peer_link: bool,
-    /// Client interface (roles unified, decode, disagg; default jsonl).
-    #[arg(long, value_enum)]
-    pub api: Option<Api>,
     /// `KEY TENANT [SALT]` lines: the tenant of each API key clients send
-    /// as `Authorization: Bearer KEY` (with `--api http`). Without it every
-    /// client is tenant 0.
+    /// as `Authorization: Bearer KEY`. Without it every client is tenant 0.
     #[arg(long)]
     pub api_keys: Option<PathBuf>,
-    /// Clients served at once at most (jsonl: connections; http: requests
-    /// generating); more are refused at once with an error.
+    /// Requests generating at once at most; one more is answered 503
+    /// (with `Retry-After`) at once, never queued.
     #[arg(long, default_value_t = 256)]
     pub max_clients: usize,
 }
@@ -188,8 +174,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .try_init();
     // Before the model loads: a malformed key file is a start-up error.
     let tenants = match &args.api_keys {
-        Some(path) => Some(http::api_keys::Tenants::load(path)?),
-        None => None,
+        Some(path) => http::api_keys::Tenants::load(path)?,
+        None => http::api_keys::Tenants::single(),
     };
     let (model, text, model_id) = load_model(args)?;
     let cfg = args.engine.config()?;
@@ -207,16 +193,26 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             (engine, PeerTransport::Rdma(region))
         }
     };
-    let api = match args.api.unwrap_or_default() {
-        Api::Jsonl => FrontApi::Jsonl,
-        Api::Http => FrontApi::Http {
-            tenants: tenants.unwrap_or_else(http::api_keys::Tenants::single),
-            model_id,
-            context_length,
-            hooks: cfg.hooks.clone(),
+    eprintln!("kvsan: {}", tenants.describe());
+    let engine = Arc::new(engine);
+    let served = http::Served {
+        text,
+        model_id: model_id.clone(),
+        context_length,
+        front_node: if args.role == Role::Unified {
+            "unified"
+        } else {
+            "decode"
         },
     };
-    run_front(args, engine, text, peers, api, link_opts)
+    let front = http::Front::new(
+        engine.clone(),
+        served,
+        cfg.hooks.clone(),
+        tenants,
+        args.max_clients,
+    );
+    run_front(args, front, &engine, peers, &model_id, link_opts)
 }
 
 /// The TCP options of the peer link: authenticated with `--peer-key`, or
@@ -262,18 +258,6 @@ fn peer_link_options(args: &Args) -> anyhow::Result<TcpOptions> {
         );
     }
     Ok(TcpOptions::default())
-}
-
-/// The client interface `run_front` serves, with what it needs.
-enum FrontApi {
-    Jsonl,
-    Http {
-        tenants: http::api_keys::Tenants,
-        model_id: String,
-        context_length: usize,
-        /// The sanitizer whose counters `/metrics` shows.
-        hooks: Hooks,
-    },
 }
 
 /// The RDMA device `--transport rdma` uses (`None` for TCP).
@@ -357,9 +341,8 @@ fn stop_on_signals(hooks: Hooks) -> anyhow::Result<()> {
 fn check_flags(args: &Args) -> anyhow::Result<()> {
     let role = args.role;
     let front_roles: &[Role] = &[Role::Unified, Role::Decode, Role::Disagg];
-    let flags: [(&str, bool, &[Role]); 13] = [
+    let flags: [(&str, bool, &[Role]); 12] = [
         ("--listen", args.listen.is_some(), front_roles),
-        ("--api", args.api.is_some(), front_roles),
         ("--api-keys", args.api_keys.is_some(), front_roles),
         ("--peer-listen", args.peer_listen.is_some(), &[Role::Decode]),
         ("--peer", args.peer.is_some(), &[Role::Prefill]),
@@ -425,9 +408,6 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
     {
         bail!("{flag} is used only with --transport rdma");
     }
-    if args.api_keys.is_some() && args.api != Some(Api::Http) {
-        bail!("--api-keys is used only with --api http");
-    }
     let missing = match role {
         Role::Unified | Role::Disagg if args.listen.is_none() => Some("--listen"),
         Role::Decode if args.listen.is_none() => Some("--listen"),
@@ -472,15 +452,15 @@ fn load_model(args: &Args) -> anyhow::Result<(Arc<Model>, Option<Arc<TextSide>>,
 
 /// Roles with a client interface (unified, decode, disagg): serve clients
 /// on `--listen`, and for decode accept prefill nodes on `--peer-listen`.
+/// The serving line names the model clients ask for, `model_id`.
 fn run_front(
     args: &Args,
-    engine: Engine,
-    text: Option<Arc<TextSide>>,
+    front: http::Front,
+    engine: &Arc<Engine>,
     transport: PeerTransport,
-    api: FrontApi,
+    model_id: &str,
     link_opts: TcpOptions,
 ) -> anyhow::Result<()> {
-    let engine = Arc::new(engine);
     let listen = args.listen.as_deref().expect("checked by check_flags");
     let clients = TcpListener::bind(listen)
         .with_context(|| format!("cannot listen for clients at {listen}"))?;
@@ -502,35 +482,8 @@ fn run_front(
             })
             .context("cannot start the prefill accept thread")?;
     }
-    match api {
-        FrontApi::Jsonl => {
-            eprintln!("{line}");
-            let front = Arc::new(Frontend::new(engine, text));
-            client::serve_clients(&clients, &front, args.max_clients);
-            Ok(())
-        }
-        FrontApi::Http {
-            tenants,
-            model_id,
-            context_length,
-            hooks,
-        } => {
-            eprintln!("kvsan: {}", tenants.describe());
-            eprintln!("{line} api=http model={model_id}");
-            let served = http::Served {
-                text,
-                model_id,
-                context_length,
-                front_node: if args.role == Role::Unified {
-                    "unified"
-                } else {
-                    "decode"
-                },
-            };
-            let front = http::Front::new(engine, served, hooks, tenants, args.max_clients);
-            http::serve(clients, front)
-        }
-    }
+    eprintln!("{line} model={model_id}");
+    http::serve(clients, front)
 }
 
 /// Peer handshakes in progress at most; a connection beyond them is refused.

@@ -1,7 +1,12 @@
 //! A `kvsan serve` child process for the multi-process tests: started from
 //! the test's `kvsan` binary, its stderr drained for its whole life, killed
-//! and reaped on drop.
+//! and reaped on drop; and the HTTP clients the tests talk to it with
+//! ([`client`]).
+#![allow(dead_code)] // each test binary uses its part
 
+pub mod client;
+
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -18,18 +23,32 @@ pub struct Server {
     stderr: Receiver<String>,
 }
 
-#[allow(dead_code)] // each test binary uses its part
 impl Server {
     pub fn start(name: &'static str, args: &[&str]) -> Server {
         Self::start_with_env(name, args, &[])
     }
 
+    /// `kvsan serve --role ROLE` serving HTTP clients on a free loopback
+    /// port (a decode node also takes prefill nodes on one), with `extra`
+    /// flags and `env` added to the child's environment.
+    pub fn http(name: &'static str, role: &str, extra: &[&str], env: &[(&str, &OsStr)]) -> Server {
+        let mut args = vec!["--role", role, "--listen", "127.0.0.1:0"];
+        if role == "decode" {
+            args.extend(["--peer-listen", "127.0.0.1:0"]);
+        }
+        args.extend_from_slice(extra);
+        Self::start_with_env(name, &args, env)
+    }
+
+    /// [`Server::http`] of the synthetic model (prompts are token-id arrays).
+    pub fn synthetic(name: &'static str, role: &str, extra: &[&str]) -> Server {
+        let mut args = vec!["--synthetic"];
+        args.extend_from_slice(extra);
+        Self::http(name, role, &args, &[])
+    }
+
     /// As [`Server::start`], with `env` added to the child's environment.
-    pub fn start_with_env(
-        name: &'static str,
-        args: &[&str],
-        env: &[(&str, &std::ffi::OsStr)],
-    ) -> Server {
+    pub fn start_with_env(name: &'static str, args: &[&str], env: &[(&str, &OsStr)]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvsan"))
             .arg("serve")
             .args(args)
@@ -87,6 +106,11 @@ impl Server {
         }
     }
 
+    /// The client address of the "serving" line.
+    pub fn listen(&self) -> String {
+        self.serving().listen.expect("listen= on the serving line")
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -112,7 +136,6 @@ impl Drop for Server {
 
 /// Writes a peer key file (64 hex digits from `byte`) for `--peer-key`, a
 /// new file on every call, and returns its path.
-#[allow(dead_code)] // each test binary uses its part
 pub fn peer_key_file(test: &str, byte: u8) -> std::path::PathBuf {
     static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -125,7 +148,6 @@ pub fn peer_key_file(test: &str, byte: u8) -> std::path::PathBuf {
 }
 
 /// The addresses a server printed.
-#[allow(dead_code)] // each test binary uses its part
 pub struct Addrs {
     /// The client address.
     pub listen: Option<String>,

@@ -1,5 +1,6 @@
-//! One workload run as a child process: its stdout, its stderr and its peak
-//! resident set size, from `wait4`'s resource usage of that child alone.
+//! One workload run as a child process: its stdout, its stderr, its peak
+//! resident set size and the CPU time it used, from `wait4`'s resource
+//! usage of that child alone.
 
 use std::ffi::OsString;
 use std::io::Read;
@@ -17,6 +18,10 @@ pub struct Finished {
     pub stderr: String,
     /// Its peak resident set size in bytes (`ru_maxrss`).
     pub peak_rss_bytes: u64,
+    /// CPU seconds it used, user and system, all its threads (`ru_utime +
+    /// ru_stime`): unlike elapsed time, not lengthened by waiting for a
+    /// core another process holds.
+    pub cpu_seconds: f64,
 }
 
 /// Runs `program args…` with `env` added, waits for it with `wait4` and
@@ -71,7 +76,12 @@ pub fn run(
         stderr,
         // Linux reports ru_maxrss in kilobytes.
         peak_rss_bytes: u64::try_from(usage.ru_maxrss).unwrap_or(0) * 1024,
+        cpu_seconds: seconds(usage.ru_utime) + seconds(usage.ru_stime),
     })
+}
+
+fn seconds(t: libc::timeval) -> f64 {
+    t.tv_sec as f64 + t.tv_usec as f64 / 1e6
 }
 
 fn describe(status: libc::c_int) -> String {

@@ -39,7 +39,8 @@ pub struct KernelCheck {
     pub calls: usize,
 }
 
-/// Min, median and max of a set of ratios, with the values themselves.
+/// Min, median and max of a set of ratios, the 95 % confidence interval of
+/// the median, and the values themselves.
 #[derive(Clone, Debug, Serialize)]
 pub struct Spread {
     /// Smallest.
@@ -48,9 +49,18 @@ pub struct Spread {
     pub median: f64,
     /// Largest.
     pub max: f64,
+    /// The median's 95 % confidence interval `[low, high]`: the 2.5th and
+    /// 97.5th percentiles of the medians of [`BOOTSTRAP_RESAMPLES`]
+    /// resamples of the values (percentile bootstrap, a fixed seed, so the
+    /// same values give the same interval). One value gives `[v, v]`: no
+    /// interval can be claimed from it.
+    pub ci95: [f64; 2],
     /// Every value, in round order.
     pub values: Vec<f64>,
 }
+
+/// Resamples behind [`Spread::ci95`].
+pub const BOOTSTRAP_RESAMPLES: usize = 4000;
 
 impl Spread {
     /// The spread of `values` (all zero when empty).
@@ -61,9 +71,42 @@ impl Spread {
             min: sorted.first().copied().unwrap_or(0.0),
             median: median(&sorted),
             max: sorted.last().copied().unwrap_or(0.0),
+            ci95: median_ci95(&values),
             values,
         }
     }
+
+    /// Half the interval's width relative to the median (0.01: ±1 %).
+    pub fn ci95_half_width(&self) -> f64 {
+        if self.median == 0.0 {
+            return f64::INFINITY;
+        }
+        (self.ci95[1] - self.ci95[0]) / 2.0 / self.median.abs()
+    }
+}
+
+/// The percentile-bootstrap 95 % interval of the median of `values`.
+fn median_ci95(values: &[f64]) -> [f64; 2] {
+    use rand::{RngExt, SeedableRng};
+    match values {
+        [] => return [0.0; 2],
+        [v] => return [*v; 2],
+        _ => {}
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b76_7361_6e00_0095);
+    let mut sample = vec![0.0; values.len()];
+    let mut medians: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
+        .map(|_| {
+            for s in &mut sample {
+                *s = values[rng.random_range(0..values.len())];
+            }
+            sample.sort_by(f64::total_cmp);
+            median(&sample)
+        })
+        .collect();
+    medians.sort_by(f64::total_cmp);
+    let at = |q: f64| medians[((medians.len() - 1) as f64 * q).round() as usize];
+    [at(0.025), at(0.975)]
 }
 
 /// Median of sorted `values` (mean of the middle two for an even count; 0 when empty).
@@ -251,6 +294,23 @@ mod tests {
         let s = Spread::of(vec![1.2, 0.9, 1.0, 1.1]);
         assert_eq!((s.min, s.median, s.max), (0.9, 1.05, 1.2));
         assert_eq!(s.values, vec![1.2, 0.9, 1.0, 1.1]);
+    }
+
+    #[test]
+    fn the_medians_interval_narrows_with_agreeing_rounds_and_is_repeatable() {
+        let one = Spread::of(vec![1.02]);
+        assert_eq!(one.ci95, [1.02, 1.02], "one round: no interval to claim");
+        let wide = Spread::of(vec![0.90, 1.15, 0.97, 1.10, 1.01, 0.93, 1.08]);
+        let [lo, hi] = wide.ci95;
+        assert!(lo <= wide.median && wide.median <= hi, "{wide:?}");
+        assert!(lo >= wide.min && hi <= wide.max, "{wide:?}");
+        assert!(wide.ci95_half_width() > 0.01, "{wide:?}");
+        let tight: Vec<f64> = (0..21).map(|i| 1.003 + f64::from(i % 3) * 0.001).collect();
+        let tight = Spread::of(tight);
+        assert!(tight.ci95_half_width() <= 0.01, "{tight:?}");
+        // A fixed seed: the same values give the same interval.
+        let again = Spread::of(vec![0.90, 1.15, 0.97, 1.10, 1.01, 0.93, 1.08]);
+        assert_eq!(again.ci95, wide.ci95);
     }
 
     #[test]

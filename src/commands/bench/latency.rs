@@ -10,14 +10,15 @@
 //! | `disagg` | `serve --role disagg` (prefill and decode nodes in one process) |
 //! | `decode-prefill` | `serve --role decode` + `serve --role prefill`, linked over TCP |
 //!
-//! and times, from one client socket (`TCP_NODELAY`, one write per request
-//! line), requests alternating between two ways of reading the answer:
+//! and times, from one HTTP client (one keep-alive connection,
+//! `TCP_NODELAY`), `POST /v1/completions` requests alternating between two
+//! ways of reading the answer:
 //!
 //! ```text
-//!  streamed:      write ──▶ {"id"} ──▶ {"token"} ──▶ … ──▶ {"finished"}
+//!  streamed:      send ──▶ 200, data: {token} ──▶ … ──▶ data: {finish_reason} ──▶ data: [DONE]
 //!                 |──────── TTFT ─────────|
-//!                 |──────────────── completion ─────────────────|
-//!  non-streamed:  write ──▶ read lines until {"finished"}: completion only
+//!                 |──────────────────────── completion ──────────────────────────────────|
+//!  non-streamed:  send ──▶ 200, the whole JSON answer: completion only
 //! ```
 //!
 //! Beside it, for scale:
@@ -29,8 +30,8 @@
 //!   topology in this process (for `decode-prefill`, a decode and a prefill
 //!   node linked by the same TCP transport over loopback), timed from
 //!   `submit` to its events: the steps plus the hand-offs between threads,
-//!   without the client socket or JSON. Its steps per request come from the
-//!   nodes' counters.
+//!   without the client socket, HTTP or JSON. Its steps per request come
+//!   from the nodes' counters.
 //!
 //! The goal: every client-side median within 1 ms of the steps' time for
 //! the same figure (the prompt step for TTFT, all the request's steps for
@@ -54,11 +55,11 @@ use kvsan_sanitizer::TenantId;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::server::{Connection, Server};
+use super::server::{Answer, HttpClient, Server};
 use super::workload::percentile;
 
-/// How long one answer line may take.
-const LINE_BOUND: Duration = Duration::from_secs(30);
+/// How long one read of an answer may take.
+const READ_BOUND: Duration = Duration::from_secs(30);
 /// The goal: a client-side median at most this far above the steps' time.
 const GOAL_MS: f64 = 1.0;
 /// Token slots per page, as `kvsan serve` by default.
@@ -199,7 +200,7 @@ pub struct DeploymentReport {
     pub streamed_completion: Quantiles,
     /// Non-streamed: time to the finished line.
     pub non_streamed_completion: Quantiles,
-    /// Forward steps per request on the server, from its `stats` (the
+    /// Forward steps per request on the server, from its `/stats` (the
     /// nodes it reports: for `decode-prefill`, the decode process's only).
     pub server_steps_per_request: f64,
     /// Client medians minus the steps' time.
@@ -283,18 +284,27 @@ fn measure_deployment(
     let steps = time_steps(args).context("timing the request's steps alone")?;
     let engine = engine_floor(args, deployment).context("the engine alone, in-process")?;
     let servers = start(server, deployment)?;
-    let mut client = Client::connect(&servers.listen)?;
-    let line = json!({ "prompt_ids": prompt(args), "max_tokens": args.max_tokens }).to_string();
+    let client = Client::connect(&servers.listen)?;
+    let body = |stream: bool| {
+        json!({
+            "model": "synthetic",
+            "prompt": prompt(args),
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        })
+    };
+    let (streamed, whole) = (body(true), body(false));
     for _ in 0..args.warmup {
-        client.request(&line, true)?;
+        client.request(&streamed, true)?;
     }
     let steps_before = client.steps()?;
     let (mut ttft, mut done, mut done_ns) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.requests {
-        let streamed = client.request(&line, true)?;
-        ttft.push(streamed.ttft.map_or(0.0, ms));
-        done.push(ms(streamed.completion));
-        done_ns.push(ms(client.request(&line, false)?.completion));
+        let timed = client.request(&streamed, true)?;
+        ttft.push(timed.ttft.map_or(0.0, ms));
+        done.push(ms(timed.completion));
+        done_ns.push(ms(client.request(&whole, false)?.completion));
     }
     let server_steps = (client.steps()? - steps_before) as f64 / (2 * args.requests) as f64;
     drop(client);
@@ -539,54 +549,63 @@ struct Timed {
     completion: Duration,
 }
 
-/// One client connection, timing requests.
-struct Client(Connection);
+/// One HTTP client, timing requests.
+struct Client(HttpClient);
 
 impl Client {
     fn connect(addr: &str) -> anyhow::Result<Client> {
-        Ok(Client(Connection::open(addr, LINE_BOUND)?))
+        Ok(Client(HttpClient::new(addr, READ_BOUND)?))
     }
 
-    fn send(&mut self, line: &str) -> anyhow::Result<()> {
-        self.0.send(line)
-    }
-
-    fn recv(&mut self) -> anyhow::Result<&str> {
-        self.0.recv()
-    }
-
-    /// Sends one request and reads its answer to the finished line; with
-    /// `streamed`, notes when the first token line arrived (lines are only
-    /// parsed after the clock is read).
-    fn request(&mut self, line: &str, streamed: bool) -> anyhow::Result<Timed> {
+    /// Sends one completion request and reads its answer to the end; with
+    /// `streamed`, notes when the first event with a token arrived (events
+    /// are only parsed after the clock is read).
+    fn request(&self, body: &Value, streamed: bool) -> anyhow::Result<Timed> {
         let start = Instant::now();
-        self.send(line)?;
-        let mut ttft = None;
-        loop {
-            let got = self.recv()?;
-            let now = start.elapsed();
-            if streamed && ttft.is_none() && got.starts_with("{\"token\"") {
-                ttft = Some(now);
-            } else if got.starts_with("{\"finished\"") {
-                if streamed && ttft.is_none() {
-                    bail!("the request finished without a token line: {got}");
+        match self.0.complete(body, None)? {
+            Answer::Stream(mut events) if streamed => {
+                let mut ttft = None;
+                while let Some(data) = events.next_data()? {
+                    let now = start.elapsed();
+                    if data == "[DONE]" {
+                        if ttft.is_none() {
+                            bail!("the stream ended without a token");
+                        }
+                        return Ok(Timed {
+                            ttft,
+                            completion: now,
+                        });
+                    }
+                    let chunk: Value = serde_json::from_str(&data)
+                        .with_context(|| format!("an event that is not JSON: {data}"))?;
+                    if chunk.get("error").is_some() {
+                        bail!("the stream ended with an error: {data}");
+                    }
+                    let has_token = chunk["choices"][0]["token_ids"]
+                        .as_array()
+                        .is_some_and(|ids| !ids.is_empty());
+                    if has_token && ttft.is_none() {
+                        ttft = Some(now);
+                    }
                 }
-                return Ok(Timed {
-                    ttft,
-                    completion: now,
-                });
-            } else if got.starts_with("{\"error\"") {
-                bail!("the server answered with an error: {}", got.trim_end());
+                bail!("the event stream ended before data: [DONE]")
+            }
+            Answer::Whole(_) if !streamed => Ok(Timed {
+                ttft: None,
+                completion: start.elapsed(),
+            }),
+            Answer::Error { status, error } => bail!("the server answered {status}: {error}"),
+            Answer::Stream(_) | Answer::Whole(_) => {
+                bail!("the server did not answer as asked (streamed: {streamed})")
             }
         }
     }
 
-    /// Forward steps the server's nodes have run (`{"stats": true}`).
-    fn steps(&mut self) -> anyhow::Result<u64> {
-        self.send("{\"stats\": true}")?;
-        let v: Value = serde_json::from_str(self.recv()?)?;
+    /// Forward steps the server's nodes have run (`GET /stats`).
+    fn steps(&self) -> anyhow::Result<u64> {
+        let v = self.0.get_json("/stats")?;
         let steps = |node: &Value| node["steps"].as_u64().unwrap_or(0);
-        Ok(steps(&v["stats"]["front"]) + steps(&v["stats"]["prefill"]))
+        Ok(steps(&v["front"]) + steps(&v["prefill"]))
     }
 }
 

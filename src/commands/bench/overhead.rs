@@ -11,9 +11,18 @@
 //! (so they do not overwrite each other and rebuild incrementally) and
 //! passes them as `--bin-off`, `--bin-debug`, `--shim`. Rounds run `off debug shim off debug shim …` per workload
 //! after a warm-up round, each run a child process (`kvsan bench workload`)
-//! whose peak RSS comes from `wait4` and whose checks come from the
-//! sanitizer's summary line on its stderr (`kvsan: N violations; M checks`).
-//! Ratios are per round, so machine drift between rounds cancels.
+//! whose peak RSS and CPU time (user + system) come from `wait4` and whose
+//! checks come from the sanitizer's summary line on its stderr (`kvsan: N
+//! violations; M checks`). Ratios are per round, so machine drift between
+//! rounds cancels; each pair's ratios carry the bootstrap 95 % confidence
+//! interval of their median (`ci95`). With `--budget SECS`, rounds go on
+//! past `--rounds` until every pair's CPU-time ratio is known to ±1 % (the
+//! interval's half-width) or the budget is spent.
+//!
+//! `--count instructions` runs each variant once more per counted workload
+//! under cachegrind ([`super::instructions`]): instruction counts and their
+//! ratios, repeatable on any machine, with the instructions spent in the
+//! sanitizer's and the shim's code.
 
 use std::ffi::OsString;
 use std::fmt::Write as _;
@@ -24,6 +33,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::child;
+use super::instructions;
 use super::kernel::{self, KernelCheck, Spread, median};
 use super::plot;
 use super::workload::Measured;
@@ -31,9 +41,20 @@ use super::workload::Measured;
 /// Arguments of `kvsan bench overhead`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Measured rounds after the warm-up (each runs every variant once per workload).
+    /// Measured rounds after the warm-up, at least (each runs every variant
+    /// once per workload).
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
+    /// Seconds to go on with more rounds after `--rounds`, until every
+    /// pair's CPU-time ratio has a 95 % interval within ±1 % (default: no
+    /// more rounds).
+    #[arg(long, value_name = "SECS")]
+    pub budget: Option<u64>,
+    /// What to measure: `time` (interleaved rounds: elapsed and CPU time,
+    /// tokens/s, TTFT, TPOT, peak RSS) and/or `instructions` (one run per
+    /// variant under Valgrind's cachegrind).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Count::Time])]
+    pub count: Vec<Count>,
     /// One round of the synthetic-model workload only, no warm-up (a smoke check).
     #[arg(long)]
     pub quick: bool,
@@ -67,6 +88,15 @@ pub struct Args {
     /// Requests per SmolLM2 workload run.
     #[arg(long, default_value_t = 64)]
     pub requests: usize,
+}
+
+/// What `--count` measures.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    /// Elapsed and CPU time, over interleaved rounds.
+    Time,
+    /// Instructions executed, under cachegrind.
+    Instructions,
 }
 
 /// One of the three ways the workload runs.
@@ -127,7 +157,10 @@ struct Workload {
     model: &'static str,
     topology: &'static str,
     args: Vec<String>,
-    warmup_args: Vec<String>,
+    /// A short run of the same setup: the timed rounds' warm-up; for the
+    /// counted workloads, the baseline whose instructions (process start,
+    /// model load, the first request) are subtracted.
+    short_args: Vec<String>,
 }
 
 /// One run's figures.
@@ -140,6 +173,8 @@ struct Run {
     peak_rss_bytes: u64,
     checks: u64,
     seconds: f64,
+    /// CPU time of the whole child (user + system).
+    cpu_seconds: f64,
     output_tokens: usize,
     prompt_tokens: usize,
 }
@@ -155,6 +190,7 @@ struct VariantReport {
     tpot_p50_ms: f64,
     peak_rss_bytes: u64,
     checks: u64,
+    cpu_seconds: f64,
     rounds: Vec<Run>,
 }
 
@@ -169,7 +205,39 @@ struct RatioReport {
     ttft_p50: Spread,
     /// Variant TPOT p50 ÷ `off` TPOT p50.
     tpot_p50: Spread,
-    /// The target for the tokens/s ratio, where the issue sets one (SmolLM2 mix).
+    /// Variant CPU seconds ÷ `off` CPU seconds, same work (the figure least
+    /// moved by other processes on the machine).
+    cpu_time: Spread,
+    /// Whether `cpu_time`'s 95 % interval is within ±1 % of its median.
+    resolved_to_1pct: bool,
+    /// The target for the time ratios, where the issue sets one (SmolLM2 mix).
+    target: Option<f64>,
+}
+
+/// A variant's instruction count on a counted workload.
+#[derive(Clone, Debug, Serialize)]
+struct CountedReport {
+    name: &'static str,
+    workload: &'static str,
+    /// Instructions of the serving: the whole run's less the baseline's.
+    instructions: u64,
+    /// Of which, in each place's code ([`instructions::Counted::inside`]).
+    inside: std::collections::BTreeMap<&'static str, u64>,
+    /// The whole run, and its baseline (the first request alone).
+    run: instructions::Counted,
+    baseline: instructions::Counted,
+    checks: u64,
+}
+
+/// A pair's instruction ratio on a counted workload.
+#[derive(Clone, Debug, Serialize)]
+struct CountedRatio {
+    pair: String,
+    workload: &'static str,
+    /// Variant serving instructions ÷ `off` serving instructions.
+    instructions: f64,
+    /// The same for the whole runs, fixed costs included.
+    whole_run_instructions: f64,
     target: Option<f64>,
 }
 
@@ -248,29 +316,44 @@ fn prepare(args: &Args, variants: &[Variant]) -> anyhow::Result<Vec<Prepared>> {
     Ok(prepared)
 }
 
-fn workloads(args: &Args) -> Vec<Workload> {
-    let s = |v: &[&str]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
-    let synthetic = |topology: &'static str, name: &'static str| Workload {
+/// Strings of `v`.
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(ToString::to_string).collect()
+}
+
+/// The synthetic model's workload `name` on `topology`: `requests` requests
+/// and `extra` arguments, `warmup` requests to warm up.
+fn synthetic(
+    topology: &'static str,
+    name: &'static str,
+    requests: &str,
+    warmup: &str,
+    extra: &[&str],
+) -> Workload {
+    let args = |n: &str| {
+        let mut a = strings(&[
+            "--model-kind",
+            "synthetic",
+            "--topology",
+            topology,
+            "--requests",
+            n,
+        ]);
+        a.extend(strings(extra));
+        a
+    };
+    Workload {
         name,
         model: "synthetic (2 layers, width 32, 2 heads / 1 KV head, FFN 64)",
         topology,
-        args: s(&[
-            "--model-kind",
-            "synthetic",
-            "--topology",
-            topology,
-            "--requests",
-            "64",
-        ]),
-        warmup_args: s(&[
-            "--model-kind",
-            "synthetic",
-            "--topology",
-            topology,
-            "--requests",
-            "8",
-        ]),
-    };
+        args: args(requests),
+        short_args: args(warmup),
+    }
+}
+
+fn workloads(args: &Args) -> Vec<Workload> {
+    let s = strings;
+    let synthetic = |topology, name| synthetic(topology, name, "64", "8", &[]);
     if args.quick {
         return vec![synthetic("unified", "synthetic-unified")];
     }
@@ -290,7 +373,7 @@ fn workloads(args: &Args) -> Vec<Workload> {
             model: "SmolLM2-135M Q4_1",
             topology,
             args: a,
-            warmup_args: warm,
+            short_args: warm,
         }
     };
     vec![
@@ -301,8 +384,8 @@ fn workloads(args: &Args) -> Vec<Workload> {
     ]
 }
 
-/// Runs one workload under one variant.
-fn run_one(p: &Prepared, workload_args: &[String]) -> anyhow::Result<Run> {
+/// The arguments of `p`'s workload child.
+fn child_args(p: &Prepared, workload_args: &[String]) -> Vec<String> {
     let mut a = vec![
         "bench".to_string(),
         "workload".to_string(),
@@ -310,7 +393,18 @@ fn run_one(p: &Prepared, workload_args: &[String]) -> anyhow::Result<Run> {
         p.attach.to_string(),
     ];
     a.extend_from_slice(workload_args);
-    let done = child::run(&p.program, &a, &p.env)?;
+    a
+}
+
+/// Runs one workload under one variant.
+fn run_one(p: &Prepared, workload_args: &[String]) -> anyhow::Result<Run> {
+    let done = child::run(&p.program, &child_args(p, workload_args), &p.env)?;
+    measured(p, &done)
+}
+
+/// What a finished workload child of `p` measured, checked to have run
+/// under `p`'s hook target.
+fn measured(p: &Prepared, done: &child::Finished) -> anyhow::Result<Run> {
     let line = done
         .stdout
         .lines()
@@ -351,6 +445,7 @@ fn run_one(p: &Prepared, workload_args: &[String]) -> anyhow::Result<Run> {
         peak_rss_bytes: done.peak_rss_bytes,
         checks,
         seconds: m.seconds,
+        cpu_seconds: done.cpu_seconds,
         output_tokens: m.output_tokens,
         prompt_tokens: m.prompt_tokens,
     })
@@ -372,6 +467,7 @@ fn report_variant(name: &'static str, workload: &'static str, runs: Vec<Run>) ->
         tpot_p50_ms: med(&runs, |r| r.tpot_p50_ms),
         peak_rss_bytes: med(&runs, |r| r.peak_rss_bytes as f64) as u64,
         checks: med(&runs, |r| r.checks as f64) as u64,
+        cpu_seconds: med(&runs, |r| r.cpu_seconds),
         rounds: runs,
     }
 }
@@ -393,39 +489,58 @@ fn table(
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "{:<18} {:<6} {:>10} {:>10} {:>10} {:>10} {:>11} {:>12}",
-        "workload", "variant", "tokens/s", "TTFT p50", "TTFT p99", "TPOT p50", "peak RSS", "checks"
+        "{:<18} {:<6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11} {:>12}",
+        "workload",
+        "variant",
+        "tokens/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "CPU s",
+        "peak RSS",
+        "checks"
     );
     for v in variants {
         let _ = writeln!(
             t,
-            "{:<18} {:<6} {:>10.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>11} {:>12}",
+            "{:<18} {:<6} {:>10.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2} {:>11} {:>12}",
             v.workload,
             v.name,
             v.tokens_per_s,
             v.ttft_p50_ms,
             v.ttft_p99_ms,
             v.tpot_p50_ms,
+            v.cpu_seconds,
             fmt_bytes(v.peak_rss_bytes),
             v.checks
         );
     }
     let _ = writeln!(
         t,
-        "\nratios to off over {rounds} round(s), min / median / max (tokens/s: off ÷ variant, above 1 is slower):"
+        "\nratios to off over {rounds} round(s): median [95 % interval] (CPU time: variant ÷ off; \
+         tokens/s: off ÷ variant; above 1 is slower):"
     );
     let _ = writeln!(
         t,
-        "{:<18} {:<10} {:>26} {:>26} {:>26} {:>7}",
-        "workload", "pair", "tokens/s (time)", "TTFT p50", "TPOT p50", "target"
+        "{:<18} {:<10} {:>24} {:>6} {:>24} {:>24} {:>24} {:>7}",
+        "workload",
+        "pair",
+        "CPU time",
+        "±1 %",
+        "tokens/s (elapsed)",
+        "TTFT p50",
+        "TPOT p50",
+        "target"
     );
-    let spread = |s: &Spread| format!("{:.3} / {:.3} / {:.3}", s.min, s.median, s.max);
+    let spread = |s: &Spread| format!("{:.3} [{:.3}, {:.3}]", s.median, s.ci95[0], s.ci95[1]);
     for r in ratios {
         let _ = writeln!(
             t,
-            "{:<18} {:<10} {:>26} {:>26} {:>26} {:>7}",
+            "{:<18} {:<10} {:>24} {:>6} {:>24} {:>24} {:>24} {:>7}",
             r.workload,
             r.pair,
+            spread(&r.cpu_time),
+            if r.resolved_to_1pct { "yes" } else { "no" },
             spread(&r.tokens_per_s),
             spread(&r.ttft_p50),
             spread(&r.tpot_p50),
@@ -443,48 +558,99 @@ fn table(
     t
 }
 
-/// Runs the command.
-///
-/// # Errors
-/// A build that fails, a workload that fails or runs under the wrong hook
-/// target, or output that cannot be written.
-pub fn run(args: &Args) -> anyhow::Result<()> {
-    if args.rounds == 0 {
-        bail!("--rounds must be at least 1");
-    }
-    let mut variants: Vec<Variant> = Variant::ALL
-        .into_iter()
-        .filter(|v| *v == Variant::Off || args.variants.contains(v))
-        .collect();
-    variants.dedup();
-    let prepared = prepare(args, &variants)?;
-    let workloads = workloads(args);
-    let rounds = if args.quick { 1 } else { args.rounds };
+/// What the timed rounds found.
+struct Timed {
+    workloads: Vec<Workload>,
+    variants: Vec<VariantReport>,
+    ratios: Vec<RatioReport>,
+    rounds: usize,
+    kernel: KernelCheck,
+}
 
+/// Half-width of the 95 % interval, relative to the median, below which a
+/// ratio is resolved.
+const RESOLUTION: f64 = 0.01;
+
+/// The ratio reports of the rounds run so far: `runs[workload][variant][round]`.
+fn ratio_reports(
+    workloads: &[Workload],
+    prepared: &[Prepared],
+    runs: &[Vec<Vec<Run>>],
+) -> Vec<RatioReport> {
+    let mut out = Vec::new();
+    for (wi, w) in workloads.iter().enumerate() {
+        let off = &runs[wi][0];
+        for (vi, p) in prepared.iter().enumerate().skip(1) {
+            let v = &runs[wi][vi];
+            let cpu_time = ratio(off, v, |o, v| v.cpu_seconds / o.cpu_seconds);
+            out.push(RatioReport {
+                pair: format!("{}/off", p.variant.name()),
+                workload: w.name,
+                tokens_per_s: ratio(off, v, |o, v| o.tokens_per_s / v.tokens_per_s),
+                ttft_p50: ratio(off, v, |o, v| v.ttft_p50_ms / o.ttft_p50_ms),
+                tpot_p50: ratio(off, v, |o, v| v.tpot_p50_ms / o.tpot_p50_ms),
+                resolved_to_1pct: cpu_time.values.len() > 1
+                    && cpu_time.ci95_half_width() <= RESOLUTION,
+                cpu_time,
+                target: if w.name.starts_with("smollm2") {
+                    p.variant.target()
+                } else {
+                    None
+                },
+            });
+        }
+    }
+    out
+}
+
+/// Interleaved rounds: `--rounds` of them, then more while `--budget`
+/// lasts and a pair's CPU-time ratio is not resolved.
+fn timed(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Timed> {
+    let started = std::time::Instant::now();
+    let workloads = workloads(args);
+    let min_rounds = if args.quick { 1 } else { args.rounds };
     if !args.quick {
         eprintln!("kvsan bench: warm-up round");
         for w in &workloads {
-            for p in &prepared {
-                run_one(p, &w.warmup_args)
+            for p in prepared {
+                run_one(p, &w.short_args)
                     .with_context(|| format!("warm-up of {} on {}", p.variant.name(), w.name))?;
             }
         }
     }
     // runs[workload][variant][round]
     let mut runs: Vec<Vec<Vec<Run>>> = vec![vec![Vec::new(); prepared.len()]; workloads.len()];
-    for round in 0..rounds {
+    let mut rounds = 0;
+    loop {
+        if rounds >= min_rounds {
+            let budget = args.budget.map(std::time::Duration::from_secs);
+            let unresolved = ratio_reports(&workloads, prepared, &runs)
+                .iter()
+                .filter(|r| !r.resolved_to_1pct)
+                .count();
+            match budget {
+                Some(b) if unresolved > 0 && started.elapsed() < b => eprintln!(
+                    "kvsan bench: {unresolved} CPU-time ratio(s) not yet within ±1 %: round {} ({:.0} s of the {} s budget spent)",
+                    rounds + 1,
+                    started.elapsed().as_secs_f64(),
+                    b.as_secs()
+                ),
+                _ => break,
+            }
+        }
+        rounds += 1;
         for (wi, w) in workloads.iter().enumerate() {
             for (vi, p) in prepared.iter().enumerate() {
                 let r = run_one(p, &w.args).with_context(|| {
-                    format!("round {} of {} on {}", round + 1, p.variant.name(), w.name)
+                    format!("round {rounds} of {} on {}", p.variant.name(), w.name)
                 })?;
                 eprintln!(
-                    "kvsan bench: round {}/{rounds} {:<18} {:<5} {:>9.1} tokens/s  {:>6.1} s  {} checks",
-                    round + 1,
+                    "kvsan bench: round {rounds:<3} {:<18} {:<5} {:>9.1} tokens/s  {:>6.1} s  {:>6.1} CPU s  {} checks",
                     w.name,
                     p.variant.name(),
                     r.tokens_per_s,
                     r.seconds,
+                    r.cpu_seconds,
                     r.checks
                 );
                 runs[wi][vi].push(r);
@@ -496,35 +662,224 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     } else {
         kernel::measure(9, 50)
     };
-
-    let mut variant_reports = Vec::new();
-    let mut ratio_reports = Vec::new();
+    let ratios = ratio_reports(&workloads, prepared, &runs);
+    let mut variants = Vec::new();
     for (wi, w) in workloads.iter().enumerate() {
-        let off = &runs[wi][0];
         for (vi, p) in prepared.iter().enumerate() {
-            if vi > 0 {
-                let v = &runs[wi][vi];
-                ratio_reports.push(RatioReport {
-                    pair: format!("{}/off", p.variant.name()),
-                    workload: w.name,
-                    tokens_per_s: ratio(off, v, |o, v| o.tokens_per_s / v.tokens_per_s),
-                    ttft_p50: ratio(off, v, |o, v| v.ttft_p50_ms / o.ttft_p50_ms),
-                    tpot_p50: ratio(off, v, |o, v| v.tpot_p50_ms / o.tpot_p50_ms),
-                    target: if w.name.starts_with("smollm2") {
-                        p.variant.target()
-                    } else {
-                        None
-                    },
-                });
-            }
-            variant_reports.push(report_variant(
+            variants.push(report_variant(
                 p.variant.name(),
                 w.name,
                 runs[wi][vi].clone(),
             ));
         }
     }
+    Ok(Timed {
+        workloads,
+        variants,
+        ratios,
+        rounds,
+        kernel,
+    })
+}
 
+/// The workloads counted under cachegrind: deterministic (one request in
+/// flight, fixed seeds) and short (Valgrind runs them ~50× slower). Each
+/// one's baseline is its first request alone, so what is compared is the
+/// serving of the requests after it, without the process's fixed cost.
+fn counted_workloads(args: &Args) -> Vec<Workload> {
+    let shape = |prompt_max: &str, new_min: &str, new_max: &str| {
+        strings(&[
+            "--in-flight",
+            "1",
+            "--prompt-min",
+            "16",
+            "--prompt-max",
+            prompt_max,
+            "--new-min",
+            new_min,
+            "--new-max",
+            new_max,
+        ])
+    };
+    let with = |mut w: Workload, extra: &[String]| {
+        w.args.extend_from_slice(extra);
+        w.short_args.extend_from_slice(extra);
+        w
+    };
+    if args.quick {
+        // A smoke check, even of a debug build.
+        let w = synthetic("unified", "synthetic-unified", "2", "1", &[]);
+        return vec![with(w, &shape("64", "4", "8"))];
+    }
+    let small = shape("256", "16", "32");
+    let mut smollm2 = strings(&["--model-kind", "smollm2", "--topology", "unified"]);
+    if let Some(m) = &args.model {
+        smollm2.push("--model".into());
+        smollm2.push(m.display().to_string());
+    }
+    smollm2.extend(shape("24", "2", "4"));
+    let requests = |n: &str| strings(&["--requests", n]);
+    vec![
+        with(
+            synthetic("unified", "synthetic-unified", "8", "1", &[]),
+            &small,
+        ),
+        with(
+            synthetic("disagg", "synthetic-disagg", "8", "1", &[]),
+            &small,
+        ),
+        Workload {
+            name: "smollm2-unified",
+            model: "SmolLM2-135M Q4_1",
+            topology: "unified",
+            args: [smollm2.clone(), requests("3")].concat(),
+            short_args: [smollm2, requests("1")].concat(),
+        },
+    ]
+}
+
+/// What the counted runs found.
+struct CountedRuns {
+    workloads: Vec<Workload>,
+    variants: Vec<CountedReport>,
+    ratios: Vec<CountedRatio>,
+}
+
+/// Each variant once per counted workload, under cachegrind.
+fn counted(
+    args: &Args,
+    prepared: &[Prepared],
+    out_dir: &std::path::Path,
+) -> anyhow::Result<CountedRuns> {
+    let workloads = counted_workloads(args);
+    let mut variants = Vec::new();
+    let mut ratios = Vec::new();
+    for w in &workloads {
+        let mut off: Option<(u64, u64)> = None;
+        for p in prepared {
+            let count = |args: &[String], what: &str| {
+                let profile = out_dir.join(format!(
+                    "cachegrind.{}.{}.{what}.out",
+                    w.name,
+                    p.variant.name()
+                ));
+                instructions::count(&p.program, &child_args(p, args), &p.env, &profile)
+                    .with_context(|| {
+                        format!("counting {} on {} ({what})", p.variant.name(), w.name)
+                    })
+            };
+            let (done, run) = count(&w.args, "run")?;
+            let checks = measured(p, &done)?.checks;
+            let (_, baseline) = count(&w.short_args, "baseline")?;
+            let serving = run.instructions.saturating_sub(baseline.instructions);
+            let inside = run
+                .inside
+                .iter()
+                .map(|(k, v)| (*k, v.saturating_sub(baseline.inside[k])))
+                .collect::<std::collections::BTreeMap<_, _>>();
+            eprintln!(
+                "kvsan bench: counted {:<18} {:<5} {:>14} instructions serving ({} run, {} baseline; {} in the sanitizer, {} in the shim)",
+                w.name,
+                p.variant.name(),
+                serving,
+                run.instructions,
+                baseline.instructions,
+                inside["sanitizer"],
+                inside["shim"]
+            );
+            match off {
+                None => off = Some((serving, run.instructions)),
+                Some((off_serving, off_run)) => ratios.push(CountedRatio {
+                    pair: format!("{}/off", p.variant.name()),
+                    workload: w.name,
+                    instructions: serving as f64 / off_serving.max(1) as f64,
+                    whole_run_instructions: run.instructions as f64 / off_run.max(1) as f64,
+                    target: if w.name.starts_with("smollm2") {
+                        p.variant.target()
+                    } else {
+                        None
+                    },
+                }),
+            }
+            variants.push(CountedReport {
+                name: p.variant.name(),
+                workload: w.name,
+                instructions: serving,
+                inside,
+                run,
+                baseline,
+                checks,
+            });
+        }
+    }
+    Ok(CountedRuns {
+        workloads,
+        variants,
+        ratios,
+    })
+}
+
+fn counted_table(c: &CountedRuns) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "\ninstructions serving (cachegrind: a run less its first request alone; KVSAN_THREADS=1, one request in flight):"
+    );
+    let _ = writeln!(
+        t,
+        "{:<18} {:<6} {:>16} {:>14} {:>12} {:>14} {:>12}",
+        "workload",
+        "variant",
+        "instructions",
+        "in sanitizer",
+        "in shim",
+        "in kernel guard",
+        "checks"
+    );
+    for v in &c.variants {
+        let _ = writeln!(
+            t,
+            "{:<18} {:<6} {:>16} {:>14} {:>12} {:>14} {:>12}",
+            v.workload,
+            v.name,
+            v.instructions,
+            v.inside["sanitizer"],
+            v.inside["shim"],
+            v.inside["kernel_guard"],
+            v.checks
+        );
+    }
+    for r in &c.ratios {
+        let _ = writeln!(
+            t,
+            "{:<18} {:<10} instruction ratio {:.4} (whole runs {:.4}){}",
+            r.workload,
+            r.pair,
+            r.instructions,
+            r.whole_run_instructions,
+            r.target
+                .map_or(String::new(), |t| format!("  (target ≤{t:.2})"))
+        );
+    }
+    t
+}
+
+/// Runs the command.
+///
+/// # Errors
+/// A build that fails, a workload that fails or runs under the wrong hook
+/// target, Valgrind missing for `--count instructions`, or output that
+/// cannot be written.
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let mut variants: Vec<Variant> = Variant::ALL
+        .into_iter()
+        .filter(|v| *v == Variant::Off || args.variants.contains(v))
+        .collect();
+    variants.dedup();
+    let prepared = prepare(args, &variants)?;
     let out_dir = args
         .out
         .clone()
@@ -532,47 +887,79 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let json_path = out_dir.join("overhead.json");
     let svg_path = out_dir.join("overhead.svg");
-    let doc = json!({
-        "machine": super::machine(),
-        "rounds": rounds,
-        "quick": args.quick,
-        "workloads": workloads.iter().map(|w| json!({
-            "name": w.name,
-            "model": w.model,
-            "topology": w.topology,
-            "args": w.args,
-        })).collect::<Vec<_>>(),
-        "variants": variant_reports,
-        "ratios": ratio_reports,
-        "kernel_check": kernel,
-        "json": json_path,
-        "plot": svg_path,
-    });
-    let text = serde_json::to_string_pretty(&doc)?;
-    std::fs::write(&json_path, format!("{text}\n"))
-        .with_context(|| format!("writing {}", json_path.display()))?;
-    let columns: Vec<plot::Column<'_>> = ratio_reports
-        .iter()
-        .map(|r| plot::Column {
-            workload: r.workload,
-            pair: &r.pair,
-            min: r.tokens_per_s.min,
-            median: r.tokens_per_s.median,
-            max: r.tokens_per_s.max,
-            target: r.target,
-        })
-        .collect();
-    let title = format!("kvsan overhead: time ratio to the unsanitized build, {rounds} round(s)");
-    std::fs::write(&svg_path, plot::svg(&title, &columns))
-        .with_context(|| format!("writing {}", svg_path.display()))?;
 
-    let t = table(&variant_reports, &ratio_reports, &kernel, rounds);
+    let timed = if args.count.contains(&Count::Time) {
+        Some(timed(args, &prepared)?)
+    } else {
+        None
+    };
+    let counted = if args.count.contains(&Count::Instructions) {
+        Some(counted(args, &prepared, &out_dir)?)
+    } else {
+        None
+    };
+
+    let describe = |ws: &[Workload]| {
+        ws.iter()
+            .map(|w| json!({"name": w.name, "model": w.model, "topology": w.topology, "args": w.args}))
+            .collect::<Vec<_>>()
+    };
+    let mut doc = json!({
+        "machine": super::machine(),
+        "quick": args.quick,
+        "json": json_path,
+    });
+    let mut text = String::new();
+    if let Some(t) = &timed {
+        doc["rounds"] = json!(t.rounds);
+        doc["budget_s"] = json!(args.budget);
+        doc["workloads"] = json!(describe(&t.workloads));
+        doc["variants"] = json!(t.variants);
+        doc["ratios"] = json!(t.ratios);
+        doc["kernel_check"] = json!(t.kernel);
+        doc["plot"] = json!(svg_path);
+        let columns: Vec<plot::Column<'_>> = t
+            .ratios
+            .iter()
+            .map(|r| plot::Column {
+                workload: r.workload,
+                pair: &r.pair,
+                low: r.cpu_time.ci95[0],
+                median: r.cpu_time.median,
+                high: r.cpu_time.ci95[1],
+                target: r.target,
+            })
+            .collect();
+        let title = format!(
+            "kvsan overhead: CPU-time ratio to the unsanitized build, median and 95 % interval, {} round(s)",
+            t.rounds
+        );
+        std::fs::write(&svg_path, plot::svg(&title, &columns))
+            .with_context(|| format!("writing {}", svg_path.display()))?;
+        text.push_str(&table(&t.variants, &t.ratios, &t.kernel, t.rounds));
+    }
+    if let Some(c) = &counted {
+        doc["instructions"] = json!({
+            "workloads": describe(&c.workloads),
+            "variants": c.variants,
+            "ratios": c.ratios,
+        });
+        text.push_str(&counted_table(c));
+    }
+    let pretty = serde_json::to_string_pretty(&doc)?;
+    std::fs::write(&json_path, format!("{pretty}\n"))
+        .with_context(|| format!("writing {}", json_path.display()))?;
     if args.json {
-        eprint!("{t}");
+        eprint!("{text}");
         println!("{}", serde_json::to_string(&doc)?);
     } else {
-        print!("{t}");
-        println!("\nwrote {} and {}", json_path.display(), svg_path.display());
+        print!("{text}");
+        let plot = if timed.is_some() {
+            format!(" and {}", svg_path.display())
+        } else {
+            String::new()
+        };
+        println!("\nwrote {}{plot}", json_path.display());
     }
     Ok(())
 }

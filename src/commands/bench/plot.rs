@@ -2,8 +2,8 @@
 //! do not need a plotting library.
 //!
 //! - [`svg`], the ratio plot (`overhead`): one column per (workload, pair),
-//!   a dot at the median ratio and a bar from the min to the max over
-//!   rounds, with the line of no overhead (1.0) and each pair's target;
+//!   a dot at the median ratio and a bar over its 95 % confidence interval,
+//!   with the line of no overhead (1.0) and each pair's target;
 //! - [`curve`], lines over a common x axis (`soak`: resident memory against
 //!   requests served), the y axis from zero so that a flat line looks flat
 //!   at its true scale.
@@ -16,12 +16,12 @@ pub struct Column<'a> {
     pub workload: &'a str,
     /// Pair name, e.g. `debug/off` (x label, second line).
     pub pair: &'a str,
-    /// Smallest ratio over rounds.
-    pub min: f64,
+    /// Low end of the median's 95 % interval.
+    pub low: f64,
     /// Median ratio.
     pub median: f64,
-    /// Largest ratio.
-    pub max: f64,
+    /// High end of the median's 95 % interval.
+    pub high: f64,
     /// The pair's target ratio, if it has one.
     pub target: Option<f64>,
 }
@@ -62,8 +62,8 @@ pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
     let plot_h = HEIGHT - TOP - BOTTOM;
     let (mut lo, mut hi) = (1.0f64, 1.0f64);
     for c in columns {
-        lo = lo.min(c.min);
-        hi = hi.max(c.max).max(c.target.unwrap_or(1.0));
+        lo = lo.min(c.low);
+        hi = hi.max(c.high).max(c.target.unwrap_or(1.0));
     }
     let pad = ((hi - lo) * 0.1).max(0.01);
     let (lo, hi) = (lo - pad, hi + pad);
@@ -117,24 +117,24 @@ pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
         let _ = writeln!(
             s,
             r#"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="{color}" stroke-width="3"/><line x1="{:.1}" y1="{ymin:.1}" x2="{:.1}" y2="{ymin:.1}" stroke="{color}"/><line x1="{:.1}" y1="{ymax:.1}" x2="{:.1}" y2="{ymax:.1}" stroke="{color}"/>"#,
-            y(c.min),
-            y(c.max),
+            y(c.low),
+            y(c.high),
             x - 8.0,
             x + 8.0,
             x - 8.0,
             x + 8.0,
-            ymin = y(c.min),
-            ymax = y(c.max)
+            ymin = y(c.low),
+            ymax = y(c.high)
         );
         let _ = writeln!(
             s,
-            r#"<circle cx="{x:.1}" cy="{:.1}" r="5" fill="{color}"><title>{} {}: min {:.3}, median {:.3}, max {:.3}</title></circle><text x="{:.1}" y="{:.1}">{:.3}</text>"#,
+            r#"<circle cx="{x:.1}" cy="{:.1}" r="5" fill="{color}"><title>{} {}: 95 % interval {:.3} to {:.3}, median {:.3}</title></circle><text x="{:.1}" y="{:.1}">{:.3}</text>"#,
             y(c.median),
             escape(c.workload),
             escape(c.pair),
-            c.min,
+            c.low,
+            c.high,
             c.median,
-            c.max,
             x + 9.0,
             y(c.median) + 4.0,
             c.median
@@ -150,7 +150,7 @@ pub fn svg(title: &str, columns: &[Column<'_>]) -> String {
     }
     let _ = writeln!(
         s,
-        r##"<text x="{LEFT}" y="{:.1}" fill="#555">dot: median over rounds; bar: min to max; green: target; dashed: no overhead</text>"##,
+        r##"<text x="{LEFT}" y="{:.1}" fill="#555">dot: median over rounds; bar: its 95 % confidence interval; green: target; dashed: no overhead</text>"##,
         HEIGHT - 10.0
     );
     s.push_str("</svg>\n");
@@ -311,17 +311,17 @@ mod tests {
             Column {
                 workload: "a<b",
                 pair: "debug/off",
-                min: 0.99,
+                low: 0.99,
                 median: 1.01,
-                max: 1.05,
+                high: 1.05,
                 target: Some(1.03),
             },
             Column {
                 workload: "a<b",
                 pair: "shim/off",
-                min: 1.0,
+                low: 1.0,
                 median: 1.0,
-                max: 1.0,
+                high: 1.0,
                 target: None,
             },
         ];

@@ -1,5 +1,5 @@
 //! A `kvsan serve` child process for the benchmarks that drive real
-//! servers (`latency`, `soak`), and the client socket to it.
+//! servers (`latency`, `soak`), and the HTTP client they drive it with.
 //!
 //! The child's stderr is drained for its whole life by a thread (so the
 //! child never blocks on a full pipe) and handed over line by line: the
@@ -8,14 +8,14 @@
 //! sanitizer's reports and summary).
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use serde_json::Value;
 
 /// How long a server process may take to start serving.
 pub const START_BOUND: Duration = Duration::from_secs(60);
@@ -170,47 +170,156 @@ impl Drop for Server {
     }
 }
 
-/// A client connection speaking JSON lines: `TCP_NODELAY` (a small line
-/// leaves at once, not after the server's delayed ACK), each request line
-/// sent in one write, reads bounded by a timeout.
-pub struct Connection {
-    reader: BufReader<TcpStream>,
-    writer: TcpStream,
-    line: String,
+/// A client of `kvsan serve`'s HTTP API: reqwest (`TCP_NODELAY` on its
+/// sockets, so a request's small writes leave at once), keep-alive
+/// connections, each request driven to its end on a single-threaded runtime
+/// in the calling thread — no hand-off to another thread on the timed path.
+pub struct HttpClient {
+    runtime: tokio::runtime::Runtime,
+    http: reqwest::Client,
+    base: String,
 }
 
-impl Connection {
-    /// Connects to `addr`; a read waits at most `read_timeout`.
-    pub fn open(addr: &str, read_timeout: Duration) -> anyhow::Result<Connection> {
-        let stream = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(read_timeout))?;
-        Ok(Connection {
-            reader: BufReader::new(stream.try_clone()?),
-            writer: stream,
-            line: String::new(),
+/// A server's answer to a generation request.
+pub enum Answer<'c> {
+    /// 200 with `"stream": true`: server-sent events to read.
+    Stream(Events<'c>),
+    /// 200 with a whole JSON answer.
+    Whole(Value),
+    /// Another status, and its `error` object.
+    Error { status: u16, error: Value },
+}
+
+impl HttpClient {
+    /// A client of the server at `addr` (`HOST:PORT`); one read waits at
+    /// most `read_timeout`.
+    pub fn new(addr: &str, read_timeout: Duration) -> anyhow::Result<HttpClient> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the HTTP client's runtime")?;
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .tcp_nodelay(true)
+            .read_timeout(read_timeout)
+            .build()
+            .context("building the HTTP client")?;
+        Ok(HttpClient {
+            runtime,
+            http,
+            base: format!("http://{addr}"),
         })
     }
 
-    /// Sends `line` and its newline in one write.
-    pub fn send(&mut self, line: &str) -> anyhow::Result<()> {
-        let mut bytes = Vec::with_capacity(line.len() + 1);
-        bytes.extend_from_slice(line.as_bytes());
-        bytes.push(b'\n');
-        self.writer.write_all(&bytes)?;
-        Ok(())
+    /// `GET path`, a JSON answer.
+    pub fn get_json(&self, path: &str) -> anyhow::Result<Value> {
+        let url = format!("{}{path}", self.base);
+        self.runtime.block_on(async {
+            let response = self
+                .http
+                .get(&url)
+                .send()
+                .await
+                .with_context(|| format!("GET {url}"))?;
+            let status = response.status();
+            let body = response
+                .bytes()
+                .await
+                .with_context(|| format!("GET {url}"))?;
+            if !status.is_success() {
+                bail!("GET {url}: {status}: {}", String::from_utf8_lossy(&body));
+            }
+            serde_json::from_slice(&body).with_context(|| format!("GET {url}: not JSON"))
+        })
     }
 
-    /// The next answer line (with its newline).
-    pub fn recv(&mut self) -> anyhow::Result<&str> {
-        self.line.clear();
-        let n = self
-            .reader
-            .read_line(&mut self.line)
-            .context("reading the server's answer")?;
-        if n == 0 {
-            bail!("the server closed the connection");
+    /// `POST /v1/completions` with `body`, as tenant `key`'s (`None`: no
+    /// key). A streamed answer is returned at its status, its events still
+    /// to read; a whole one once it is all in.
+    pub fn complete(&self, body: &Value, key: Option<&str>) -> anyhow::Result<Answer<'_>> {
+        let url = format!("{}/v1/completions", self.base);
+        let mut request = self
+            .http
+            .post(&url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string());
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
         }
-        Ok(&self.line)
+        self.runtime.block_on(async {
+            let response = request
+                .send()
+                .await
+                .with_context(|| format!("POST {url}"))?;
+            let status = response.status().as_u16();
+            let streamed = response
+                .headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            if status == 200 && streamed {
+                return Ok(Answer::Stream(Events {
+                    client: self,
+                    response,
+                    buf: Vec::new(),
+                }));
+            }
+            let bytes = response
+                .bytes()
+                .await
+                .with_context(|| format!("POST {url}: reading the answer"))?;
+            let v: Value = serde_json::from_slice(&bytes).with_context(|| {
+                format!(
+                    "POST {url}: {status}, not JSON: {}",
+                    String::from_utf8_lossy(&bytes)
+                )
+            })?;
+            Ok(if status == 200 {
+                Answer::Whole(v)
+            } else {
+                Answer::Error {
+                    status,
+                    error: v["error"].clone(),
+                }
+            })
+        })
+    }
+}
+
+/// The events of a streamed answer. Dropped before its end, it closes the
+/// connection: the server cancels the request.
+pub struct Events<'c> {
+    client: &'c HttpClient,
+    response: reqwest::Response,
+    /// Bytes received past the last whole event.
+    buf: Vec<u8>,
+}
+
+impl Events<'_> {
+    /// The next event's `data`, as it arrives; `None` at the end of the body.
+    pub fn next_data(&mut self) -> anyhow::Result<Option<String>> {
+        loop {
+            if let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = self.buf.drain(..end + 2).collect();
+                let text = std::str::from_utf8(&event).context("an event that is not UTF-8")?;
+                let data = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("data: "))
+                    .with_context(|| format!("an event without data: {text:?}"))?;
+                return Ok(Some(data.to_string()));
+            }
+            let chunk = self
+                .client
+                .runtime
+                .block_on(self.response.chunk())
+                .context("reading the event stream")?;
+            match chunk {
+                Some(bytes) => self.buf.extend_from_slice(&bytes),
+                None if self.buf.iter().all(u8::is_ascii_whitespace) => return Ok(None),
+                None => bail!(
+                    "the event stream ended inside an event: {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                ),
+            }
+        }
     }
 }

@@ -1,5 +1,5 @@
-//! A model's text side, shared by both client interfaces: how prompts are
-//! encoded, chats rendered and tokens shown.
+//! A model's text side: how prompts are encoded, chats rendered and tokens
+//! shown.
 
 use kvsan_engine::chat::ChatTemplate;
 use kvsan_engine::tokenizer::Tokenizer;

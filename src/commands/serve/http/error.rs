@@ -1,12 +1,15 @@
 //! Errors as OpenAI clients expect them: a status and
-//! `{"error": {"message", "type", "code", "param"}}`.
+//! `{"error": {"message", "type", "code", "param"}}`, plus, for programs,
+//! `"rejection": {"reason", "prompt_tokens", "limit", "node"}` when the
+//! engine refused the prompt and `"violation": {"id", "kind"}` when a
+//! sanitizer aborted the request.
 //!
 //! A message names the input and the limit, or the violation id and kind;
 //! it never carries prompt text or KV contents.
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kvsan_engine::request::{ErrorKind, RequestError, Violated};
+use kvsan_engine::request::{ErrorKind, Rejection, RequestError, Violated};
 use serde_json::{Value, json};
 
 /// One error answer.
@@ -22,6 +25,8 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, when one is.
     pub param: Option<String>,
+    /// The limit a rejected prompt broke.
+    pub rejection: Option<Box<Rejection>>,
     /// The violation a sanitizer abort names.
     pub violation: Option<Violated>,
 }
@@ -34,6 +39,7 @@ impl ApiError {
             code,
             message,
             param: None,
+            rejection: None,
             violation: None,
         }
     }
@@ -153,6 +159,7 @@ impl ApiError {
             }
         };
         ApiError {
+            rejection: e.rejection.clone(),
             violation: e.violation,
             ..Self::new(status, kind, e.kind.name(), e.message.clone())
         }
@@ -166,6 +173,9 @@ impl ApiError {
             "code": self.code,
             "param": self.param,
         });
+        if let Some(r) = &self.rejection {
+            error["rejection"] = json!(r);
+        }
         if let Some(v) = &self.violation {
             error["violation"] = json!(v);
         }
@@ -191,7 +201,7 @@ mod tests {
     use kvsan_engine::request::Rejection;
 
     #[test]
-    fn an_oversize_prompt_is_a_400_naming_the_limit() {
+    fn an_oversize_prompt_is_a_400_naming_the_limit_in_words_and_fields() {
         let e = RequestError::rejected(Rejection {
             reason: "prompt exceeds the prefill pool".into(),
             prompt_tokens: 1100,
@@ -204,5 +214,9 @@ mod tests {
         assert_eq!(body["error"]["code"], "rejected");
         let message = body["error"]["message"].as_str().unwrap();
         assert!(message.contains("limit 1024 tokens"), "{message}");
+        let rejection = &body["error"]["rejection"];
+        assert_eq!(rejection["limit"], 1024, "{body}");
+        assert_eq!(rejection["prompt_tokens"], 1100, "{body}");
+        assert_eq!(rejection["node"], "prefill", "{body}");
     }
 }

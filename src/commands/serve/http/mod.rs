@@ -1,9 +1,10 @@
-//! `kvsan serve --api http`: the OpenAI-compatible HTTP interface, on axum
+//! `kvsan serve`'s client interface: OpenAI-compatible HTTP, on axum
 //! (hyper, tokio), bridged to the engine's threads.
 //!
 //! | file | what lives there |
 //! | --- | --- |
 //! | `routes.rs` | the routes; `/health`, `/v1/models` |
+//! | `stats.rs` | `/stats`: the nodes' counters |
 //! | `completions.rs` | `/v1/completions`, `/v1/chat/completions`: body → engine request |
 //! | `prompt.rs` | prompts and chats → token ids |
 //! | `openai.rs` | request bodies (unknown fields refused) and answer shapes |
@@ -29,6 +30,7 @@ mod openai;
 mod prompt;
 mod routes;
 mod sse;
+mod stats;
 mod stop;
 mod tokenize;
 
@@ -49,8 +51,9 @@ use super::text::TextSide;
 use api_keys::{Tenant, Tenants};
 use error::ApiError;
 
-/// Longest request body accepted, in bytes (as the JSON-lines interface's line).
-pub const MAX_BODY_BYTES: usize = super::client::MAX_LINE_BYTES;
+/// Longest request body accepted, in bytes: room for a prompt of a few
+/// million token ids, a bound on what one request can make the server hold.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// What every request shares.
 pub struct Front {

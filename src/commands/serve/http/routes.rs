@@ -4,6 +4,7 @@
 //!  GET  /health                 200 while the server runs (no key asked)
 //!  GET  /metrics                Prometheus metrics (no key asked: metrics.rs)
 //!  GET  /v1/models              the served model
+//!  GET  /stats                  stats.rs (no key asked)
 //!  POST /v1/completions         completions.rs
 //!  POST /v1/chat/completions    completions.rs
 //!  POST /tokenize               tokenize.rs
@@ -23,7 +24,7 @@ use axum::routing::{get, post};
 use serde_json::json;
 
 use super::error::ApiError;
-use super::{Front, completions, json_body, tokenize};
+use super::{Front, completions, json_body, stats, tokenize};
 
 /// The server's routes over `front`.
 pub fn router(front: Arc<Front>) -> Router {
@@ -31,6 +32,7 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/stats", get(stats::stats))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(completions::chat))
         .route("/tokenize", post(tokenize::tokenize))
