@@ -143,20 +143,25 @@ fn an_altered_or_a_replayed_frame_drops_the_link_with_the_reason_and_prefill_rec
     assert_eq!(complete(&listen, &p, 4).len(), 4);
 }
 
+/// A decode process taking prefill nodes on every address (`0.0.0.0`),
+/// with `extra` flags.
+fn decode_on_every_address(name: &'static str, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "--role",
+        "decode",
+        "--synthetic",
+        "--listen",
+        "127.0.0.1:0",
+        "--peer-listen",
+        "0.0.0.0:0",
+    ];
+    args.extend_from_slice(extra);
+    Server::start(name, &args)
+}
+
 #[test]
 fn without_a_key_a_non_loopback_peer_address_is_refused_at_start() {
-    let mut decode = Server::start(
-        "decode",
-        &[
-            "--role",
-            "decode",
-            "--synthetic",
-            "--listen",
-            "127.0.0.1:0",
-            "--peer-listen",
-            "0.0.0.0:0",
-        ],
-    );
+    let mut decode = decode_on_every_address("decode", &[]);
     let line = decode.wait_for("is not a loopback address", BOUND);
     assert!(line.contains("--peer-listen 0.0.0.0:0"), "{line}");
     assert!(
@@ -169,19 +174,7 @@ fn without_a_key_a_non_loopback_peer_address_is_refused_at_start() {
         thread::sleep(Duration::from_millis(20));
     }
 
-    let insecure = Server::start(
-        "insecure",
-        &[
-            "--role",
-            "decode",
-            "--synthetic",
-            "--listen",
-            "127.0.0.1:0",
-            "--peer-listen",
-            "0.0.0.0:0",
-            "--insecure-peer-link",
-        ],
-    );
+    let insecure = decode_on_every_address("insecure", &["--insecure-peer-link"]);
     insecure.wait_for("peer link NOT authenticated (--insecure-peer-link)", BOUND);
     insecure.serving();
 }
