@@ -3,8 +3,9 @@
 //! killing the prefill process mid-transfer aborts its requests with a
 //! transport error, frees their pages, and the decode process serves on
 //! with a new prefill process; a prompt over the prefill pool is rejected
-//! before anything is allocated. Every wait is bounded; every child is
-//! killed on drop.
+//! before anything is allocated. Every pair runs with an authenticated
+//! peer link (`--peer-key`). Every wait is bounded; every child is killed
+//! on drop.
 
 use std::sync::mpsc;
 use std::thread;
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 mod serve_common;
 use serve_common::client::Client;
-use serve_common::{START_BOUND, Server};
+use serve_common::{START_BOUND, Server, peer_key_file};
 
 /// How long any one expected event may take.
 const BOUND: Duration = Duration::from_secs(15);
@@ -27,8 +28,18 @@ struct Pair {
     peer: String,
 }
 
+/// The key file every process of these tests holds.
+fn key() -> String {
+    peer_key_file("multi-process", 0x5a)
+        .to_str()
+        .expect("UTF-8 path")
+        .to_string()
+}
+
 fn start_pair(prefill_args: &[&str]) -> Pair {
-    let decode = Server::synthetic("decode", "decode", &[]);
+    let key = key();
+    let decode = Server::synthetic("decode", "decode", &["--peer-key", &key]);
+    decode.wait_for("peer link authenticated", START_BOUND);
     let addrs = decode.serving();
     let peer = addrs.peer_listen.expect("decode prints peer-listen=");
     let prefill = start_prefill(&peer, prefill_args);
@@ -42,7 +53,16 @@ fn start_pair(prefill_args: &[&str]) -> Pair {
 }
 
 fn start_prefill(peer: &str, extra: &[&str]) -> Server {
-    let mut args = vec!["--role", "prefill", "--synthetic", "--peer", peer];
+    let key = key();
+    let mut args = vec![
+        "--role",
+        "prefill",
+        "--synthetic",
+        "--peer",
+        peer,
+        "--peer-key",
+        &key,
+    ];
     args.extend_from_slice(extra);
     Server::start("prefill", &args)
 }

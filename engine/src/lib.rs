@@ -11,7 +11,7 @@
 //! | `node` | the nodes (unified, prefill, decode), each request's state machine on a node (`lifecycle.rs`: the one place a request's state is set, every move checked legal, its lifecycle event reported once), the step executor (`executor.rs`: a node's pool, model and lifecycle; pages for a step and one forward pass over its batch), the step loop the nodes share (`step_loop.rs`: plan, execute, apply each row's outcome), the batch builder (`batch.rs`), the scheduler (`scheduler.rs`: continuous batching, chunked prefill, preemption), admission, sequences |
 //! | `anomaly` | the anomaly monitor: a first token that came with KV for fewer positions than the prompt (`short-kv`), or far faster per prompt token than the node computes (`fast-first-token`) — with or without a sanitizer |
 //! | `hooks` | the dispatch to a sanitizer: none, in-process, or a C hook table |
-//! | `transport` | prefill ↔ decode messages and links: in-process, TCP, RDMA |
+//! | `transport` | prefill ↔ decode messages and links: in-process, TCP (authenticated with a peer key), RDMA |
 //! | `engine` | the serving engine a client submits to |
 //! | `faults` | fail points (feature `faults`): which production bug each re-creates, and the switch that turns it on |
 //! | `scenario` | each fault's leak-oracle scenario (feature `faults`): the script, the victim, what the sanitizer must report |

@@ -19,7 +19,8 @@ const BOUND: Duration = Duration::from_secs(10);
 fn connected(opts: TcpOptions) -> (DecodeEnd, PrefillEnd) {
     let listener = tcp::listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr();
-    let prefill = thread::spawn(move || tcp::connect_prefill(addr, BOUND, &opts).unwrap());
+    let prefill_opts = opts.clone();
+    let prefill = thread::spawn(move || tcp::connect_prefill(addr, BOUND, &prefill_opts).unwrap());
     let decode = listener.accept_decode(Some(BOUND), &opts).unwrap();
     (decode, prefill.join().unwrap())
 }
@@ -52,8 +53,9 @@ fn the_prefill_side_may_listen_and_the_decode_side_connect() {
     let opts = TcpOptions::default();
     let listener = tcp::listen("127.0.0.1:0").unwrap();
     let addr = listener.local_addr();
+    let decode_opts = opts.clone();
     let decode =
-        thread::spawn(move || tcp::connect_decode(addr.to_string(), BOUND, &opts).unwrap());
+        thread::spawn(move || tcp::connect_decode(addr.to_string(), BOUND, &decode_opts).unwrap());
     let (to_decode, prefill_inbox) = listener.accept_prefill(Some(BOUND), &opts).unwrap();
     let (to_prefill, decode_inbox) = decode.join().unwrap();
     to_decode.send(support::hello()).unwrap();

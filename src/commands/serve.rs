@@ -20,15 +20,23 @@
 //! retrying for `--peer-retry-secs`, and reconnects the same way after its
 //! link drops.
 //!
+//! The peer link is authenticated with `--peer-key FILE`, the deployment's
+//! pre-shared key ([`kvsan_engine::transport::peer_auth`]): a peer that
+//! does not prove it holds the same key is refused before any page is
+//! reserved for it. Without a key a node only listens on or connects to a
+//! loopback peer address, unless `--insecure-peer-link` says otherwise; it
+//! says at start which mode it runs in.
+//!
 //! Clients speak the OpenAI-compatible HTTP API of [`http`]; their tenants
 //! come from `--api-keys FILE`.
 
 mod http;
 mod text;
 
-use std::net::TcpListener;
+use std::net::{TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -37,6 +45,7 @@ use kvsan_engine::engine::{Engine, EngineConfig, PrefillControl, serve_prefill};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::{Model, SyntheticSpec};
 use kvsan_engine::tokenizer::Tokenizer;
+use kvsan_engine::transport::peer_auth::PeerKey;
 use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
 use kvsan_engine::transport::{Link, LinkDown, ToDecode, ToPrefill};
 
@@ -125,6 +134,18 @@ pub struct Args {
     /// gives up and exits with an error (at start and after a link drop).
     #[arg(long, default_value_t = 30)]
     pub peer_retry_secs: u64,
+    /// The deployment's pre-shared key for the peer link (roles decode,
+    /// prefill): at least 32 bytes, raw or hex (`openssl rand -hex 32`).
+    /// Both nodes prove they hold it before anything is exchanged, and
+    /// every frame after that is authenticated (not encrypted).
+    #[arg(long, conflicts_with = "insecure_peer_link")]
+    pub peer_key: Option<PathBuf>,
+    /// Run the peer link without authentication on a non-loopback address:
+    /// any process that reaches it can join as a peer (roles decode,
+    /// prefill). Without a key and without this flag, only loopback peer
+    /// addresses are allowed.
+    #[arg(long)]
+    pub insecure_peer_link: bool,
     /// `KEY TENANT [SALT]` lines: the tenant of each API key clients send
     /// as `Authorization: Bearer KEY`. Without it every client is tenant 0.
     #[arg(long)]
@@ -139,6 +160,9 @@ pub struct Args {
 /// prefill role, until the decode node stays unreachable).
 pub fn run(args: &Args) -> anyhow::Result<()> {
     check_flags(args)?;
+    // Before the model loads: a bad key, or a non-loopback link without
+    // one, is a start-up error.
+    let link_opts = peer_link_options(args)?;
     // Before the model loads: a missing RDMA device is a start-up error.
     let rdma = open_rdma(args)?;
     // Engine logs (link drops, refusals) go to stderr; `RUST_LOG` filters them.
@@ -158,7 +182,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let context_length = model.config().context_length;
     stop_on_signals(cfg.hooks.clone())?;
     let (engine, peers) = match (args.role, rdma) {
-        (Role::Prefill, rdma) => return run_prefill(args, model, &cfg, rdma),
+        (Role::Prefill, rdma) => return run_prefill(args, model, &cfg, rdma, &link_opts),
         (Role::Unified, _) => (Engine::unified(model, &cfg)?, PeerTransport::Tcp),
         (Role::Disagg, _) => (Engine::disaggregated(model, &cfg)?, PeerTransport::Tcp),
         (Role::Decode, None) => (Engine::decode_only(model, &cfg)?, PeerTransport::Tcp),
@@ -188,7 +212,52 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         tenants,
         args.max_clients,
     );
-    run_front(args, front, &engine, peers, &model_id)
+    run_front(args, front, &engine, peers, &model_id, link_opts)
+}
+
+/// The TCP options of the peer link: authenticated with `--peer-key`, or
+/// plain on a loopback address, or plain anywhere with
+/// `--insecure-peer-link`. Says which at start.
+fn peer_link_options(args: &Args) -> anyhow::Result<TcpOptions> {
+    let (flag, addr) = match (&args.peer_listen, &args.peer) {
+        (Some(a), _) => ("--peer-listen", a),
+        (None, Some(a)) => ("--peer", a),
+        (None, None) => return Ok(TcpOptions::default()),
+    };
+    if let Some(path) = &args.peer_key {
+        if args.transport == Some(Transport::Rdma) {
+            bail!(
+                "--peer-key is not supported with --transport rdma yet: its side channel is not authenticated"
+            );
+        }
+        let key = PeerKey::from_file(path)?;
+        eprintln!(
+            "kvsan: peer link authenticated with the key in {} (authenticity and integrity, not confidentiality)",
+            path.display()
+        );
+        return Ok(TcpOptions {
+            auth: Some(key),
+            ..TcpOptions::default()
+        });
+    }
+    let loopback = addr
+        .to_socket_addrs()
+        .with_context(|| format!("{flag} {addr}: cannot resolve the address"))?
+        .all(|a| a.ip().is_loopback());
+    if loopback {
+        eprintln!(
+            "kvsan: peer link NOT authenticated (no --peer-key), loopback only: {flag} {addr}"
+        );
+    } else if args.insecure_peer_link {
+        eprintln!(
+            "kvsan: peer link NOT authenticated (--insecure-peer-link): any process that reaches {flag} {addr} can join as a peer"
+        );
+    } else {
+        bail!(
+            "{flag} {addr} is not a loopback address: a peer link off this host needs --peer-key FILE (the deployment's shared key), or --insecure-peer-link to accept any peer without authentication"
+        );
+    }
+    Ok(TcpOptions::default())
 }
 
 /// The RDMA device `--transport rdma` uses (`None` for TCP).
@@ -272,7 +341,7 @@ fn stop_on_signals(hooks: Hooks) -> anyhow::Result<()> {
 fn check_flags(args: &Args) -> anyhow::Result<()> {
     let role = args.role;
     let front_roles: &[Role] = &[Role::Unified, Role::Decode, Role::Disagg];
-    let flags: [(&str, bool, &[Role]); 10] = [
+    let flags: [(&str, bool, &[Role]); 12] = [
         ("--listen", args.listen.is_some(), front_roles),
         ("--api-keys", args.api_keys.is_some(), front_roles),
         ("--peer-listen", args.peer_listen.is_some(), &[Role::Decode]),
@@ -305,6 +374,16 @@ fn check_flags(args: &Args) -> anyhow::Result<()> {
         (
             "--rdma-gid-index",
             args.rdma_gid_index.is_some(),
+            &[Role::Decode, Role::Prefill],
+        ),
+        (
+            "--peer-key",
+            args.peer_key.is_some(),
+            &[Role::Decode, Role::Prefill],
+        ),
+        (
+            "--insecure-peer-link",
+            args.insecure_peer_link,
             &[Role::Decode, Role::Prefill],
         ),
     ];
@@ -380,6 +459,7 @@ fn run_front(
     engine: &Arc<Engine>,
     transport: PeerTransport,
     model_id: &str,
+    link_opts: TcpOptions,
 ) -> anyhow::Result<()> {
     let listen = args.listen.as_deref().expect("checked by check_flags");
     let clients = TcpListener::bind(listen)
@@ -396,7 +476,7 @@ fn run_front(
         std::thread::Builder::new()
             .name("kvsan-peer-accept".into())
             .spawn(move || match transport {
-                PeerTransport::Tcp => accept_prefill_nodes(&peers, &engine),
+                PeerTransport::Tcp => accept_prefill_nodes(&peers, &engine, &link_opts),
                 #[cfg(feature = "rdma")]
                 PeerTransport::Rdma(region) => accept_rdma_prefill_nodes(&peers, &engine, &region),
             })
@@ -406,23 +486,60 @@ fn run_front(
     http::serve(clients, front)
 }
 
+/// Peer handshakes in progress at most; a connection beyond them is refused.
+const MAX_HANDSHAKES: usize = 16;
+
 /// Attaches every prefill node that connects; a new connection replaces
-/// the previous link (requests still waiting on that one are aborted).
-fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Engine) {
-    let opts = TcpOptions::default();
+/// the previous link (requests still waiting on that one are aborted). A
+/// connection that fails authentication is refused before it replaces
+/// anything. Each handshake runs on its own thread, bounded by its
+/// deadline and by [`MAX_HANDSHAKES`], so a peer that stalls it delays
+/// nobody else.
+fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Arc<Engine>, opts: &TcpOptions) {
+    let handshakes = Arc::new(AtomicUsize::new(0));
     loop {
-        match peers.accept_decode(None, &opts) {
-            Ok((link, inbox)) => {
-                let peer = link.peer().to_string();
-                engine.attach_prefill(Box::new(link), inbox);
-                // Said once attached: a request submitted after this line
-                // reaches the decode node after the link.
-                eprintln!("kvsan: prefill node connected ({peer})");
-            }
+        let stream = match peers.accept(None) {
+            Ok(stream) => stream,
             Err(e) => {
                 eprintln!("kvsan: accepting a prefill node failed: {e}");
                 std::thread::sleep(Duration::from_millis(100));
+                continue;
             }
+        };
+        let addr = stream
+            .peer_addr()
+            .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
+        if handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            handshakes.fetch_sub(1, Ordering::AcqRel);
+            eprintln!(
+                "kvsan: refused a prefill node: peer prefill@{addr}: {MAX_HANDSHAKES} handshakes are already in progress"
+            );
+            continue;
+        }
+        let (engine, opts, count) = (Arc::clone(engine), opts.clone(), Arc::clone(&handshakes));
+        let who = addr.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvsan-peer-handshake".into())
+            .spawn(move || {
+                let opened = tcp::decode_end(stream, &opts);
+                count.fetch_sub(1, Ordering::AcqRel);
+                match opened {
+                    Ok((link, inbox)) => {
+                        let peer = link.peer().to_string();
+                        engine.attach_prefill(Box::new(link), inbox);
+                        // Said once attached: a request submitted after this
+                        // line reaches the decode node after the link.
+                        eprintln!("kvsan: prefill node connected ({peer})");
+                    }
+                    Err(kvsan_engine::EngineError::PeerAuth(e)) => {
+                        eprintln!("kvsan: refused a prefill node: {e}");
+                    }
+                    Err(e) => eprintln!("kvsan: accepting a prefill node {who} failed: {e}"),
+                }
+            });
+        if let Err(e) = spawned {
+            handshakes.fetch_sub(1, Ordering::AcqRel);
+            eprintln!("kvsan: cannot start a handshake thread for {addr}: {e}");
         }
     }
 }
@@ -470,6 +587,7 @@ fn run_prefill(
     model: Arc<Model>,
     cfg: &EngineConfig,
     rdma: Option<RdmaDevice>,
+    opts: &TcpOptions,
 ) -> anyhow::Result<()> {
     let peer = args.peer.clone().expect("checked by check_flags");
     let retry = Duration::from_secs(args.peer_retry_secs);
@@ -484,7 +602,6 @@ fn run_prefill(
     }
     #[cfg(not(feature = "rdma"))]
     let None = rdma;
-    let opts = TcpOptions::default();
     let mut previous: Option<Arc<TcpLink<ToDecode>>> = None;
     serve_decode_peer(args, model, cfg, "TCP", |reconnecting| {
         if let Some(prev) = previous.take().filter(|_| reconnecting) {
@@ -493,7 +610,7 @@ fn run_prefill(
                 .unwrap_or_else(|| "the link closed".into());
             eprintln!("kvsan: the link to the decode node dropped ({why})");
         }
-        let (link, rx) = tcp::connect_prefill(peer.as_str(), retry, &opts)?;
+        let (link, rx) = tcp::connect_prefill(peer.as_str(), retry, opts)?;
         let link = Arc::new(link);
         previous = Some(link.clone());
         let boxed: Box<dyn Link<ToDecode>> = Box::new(SharedLink(link));
@@ -544,6 +661,9 @@ fn serve_decode_peer(
     serve_prefill(model, cfg, inbox, connect)?;
     drop(control);
     match failure {
+        Some(e @ kvsan_engine::EngineError::PeerAuth(_)) => Err(anyhow::Error::new(e).context(
+            format!("the decode node at {peer} and this node did not authenticate each other"),
+        )),
         Some(e) => Err(anyhow::Error::new(e).context(format!(
             "the decode node at {peer} could not be reached over {transport} within {}s",
             args.peer_retry_secs

@@ -134,6 +134,19 @@ impl Drop for Server {
     }
 }
 
+/// Writes a peer key file (64 hex digits from `byte`) for `--peer-key`, a
+/// new file on every call, and returns its path.
+pub fn peer_key_file(test: &str, byte: u8) -> std::path::PathBuf {
+    static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "peer-key-{test}-{byte:02x}-{}-{n}",
+        std::process::id()
+    ));
+    std::fs::write(&path, format!("{byte:02x}").repeat(32) + "\n").expect("write the key file");
+    path
+}
+
 /// The addresses a server printed.
 pub struct Addrs {
     /// The client address.

@@ -16,6 +16,7 @@
 //! | [`FetchError`] | `error/fetch.rs` | fetching and verifying the default model |
 //! | [`PoolError`] | `error/pool.rs` | allocating the KV pool, returning a page to it |
 //! | [`WireError`] | `error/wire.rs` | writing, reading and decoding transport frames |
+//! | [`PeerAuthError`] | `error/peer_auth.rs` | peer keys, the peer-link handshake, authenticated records |
 //! | `RdmaError` | `error/rdma.rs` | RDMA devices and links (feature `rdma`) |
 //!
 //! What is left here is generic (I/O on a named file, configuration, the
@@ -26,6 +27,7 @@ use std::path::PathBuf;
 
 mod fetch;
 mod gguf;
+mod peer_auth;
 mod pool;
 #[cfg(feature = "rdma")]
 mod rdma;
@@ -34,6 +36,7 @@ mod wire;
 
 pub use self::fetch::FetchError;
 pub use self::gguf::GgufError;
+pub use self::peer_auth::PeerAuthError;
 pub use self::pool::PoolError;
 #[cfg(feature = "rdma")]
 pub use self::rdma::RdmaError;
@@ -75,6 +78,10 @@ pub enum EngineError {
     /// A transport frame cannot be written, read or decoded.
     #[error(transparent)]
     Wire(#[from] WireError),
+
+    /// A peer key cannot be used, or a peer failed authentication.
+    #[error(transparent)]
+    PeerAuth(#[from] PeerAuthError),
 
     /// An RDMA link or device failed.
     #[cfg(feature = "rdma")]

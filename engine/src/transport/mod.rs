@@ -16,6 +16,7 @@
 //! every request that needed the peer is then aborted with a transport error.
 
 pub mod in_process;
+pub mod peer_auth;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod tcp;

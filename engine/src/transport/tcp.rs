@@ -32,9 +32,16 @@
 //!   traffic).
 //! - **Dropping a [`TcpLink`] closes the connection** after the queued
 //!   messages are written; the peer's inbox then receives `Disconnected`.
+//! - **With a peer key ([`TcpOptions::auth`]) the peer proves it holds the
+//!   key before any frame moves**, and every byte after that travels in
+//!   HMAC-tagged records ([`peer_auth`]). A peer that fails the handshake
+//!   is refused before a link exists (the caller gets the error naming its
+//!   address and why); a record that fails its tag — altered, replayed,
+//!   reordered — closes the link, which is reported as `Disconnected` with
+//!   that reason.
 
 use std::fmt;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
@@ -43,13 +50,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, unbounded};
 use kvsan_sanitizer::RequestId;
 
+use super::peer_auth::{self, PeerKey, PeerRole};
 use super::wire::{self, WireError, WireLimits, WireMessage};
 use super::{Inbound, Link, LinkDown, ToDecode, ToPrefill};
 use crate::error::EngineError;
 use crate::request::{ErrorKind, RequestError};
 
 /// How a TCP link behaves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct TcpOptions {
     /// What the reader accepts (largest frame; `kv_dim` is learned from the
     /// peer's hello when not set here).
@@ -59,15 +67,24 @@ pub struct TcpOptions {
     /// The peer is declared dead after this long without receiving a byte
     /// (and a write that makes no progress for this long fails).
     pub peer_timeout: Duration,
+    /// The deployment's key: with one, the peer must prove it holds the
+    /// same key within `handshake_deadline` and every frame is
+    /// authenticated; without one, the link is open to whoever connects.
+    pub auth: Option<PeerKey>,
+    /// How long a peer has to finish the authenticated handshake.
+    pub handshake_deadline: Duration,
 }
 
 impl Default for TcpOptions {
-    /// 64 MiB frames, a heartbeat every 500 ms, a dead peer noticed in 3 s.
+    /// 64 MiB frames, a heartbeat every 500 ms, a dead peer noticed in 3 s,
+    /// no authentication (5 s to finish the handshake once a key is set).
     fn default() -> Self {
         TcpOptions {
             limits: WireLimits::default(),
             heartbeat: Duration::from_millis(500),
             peer_timeout: Duration::from_secs(3),
+            auth: None,
+            handshake_deadline: peer_auth::DEFAULT_HANDSHAKE_DEADLINE,
         }
     }
 }
@@ -186,6 +203,8 @@ trait Inbox: WireMessage {
     type Reply: WireMessage;
     /// The peer's role, for logs.
     const PEER_ROLE: &'static str;
+    /// This side's role in the authenticated handshake.
+    const ROLE: PeerRole;
     /// The local notice that aborts `request`.
     fn local_abort(request: RequestId, error: RequestError) -> Self;
     /// The notice that makes the peer abort `request`.
@@ -197,6 +216,7 @@ trait Inbox: WireMessage {
 impl Inbox for ToDecode {
     type Reply = ToPrefill;
     const PEER_ROLE: &'static str = "prefill";
+    const ROLE: PeerRole = PeerRole::Decode;
     fn local_abort(request: RequestId, error: RequestError) -> Self {
         ToDecode::PrefillFailed { request, error }
     }
@@ -213,6 +233,7 @@ impl Inbox for ToDecode {
 impl Inbox for ToPrefill {
     type Reply = ToDecode;
     const PEER_ROLE: &'static str = "decode";
+    const ROLE: PeerRole = PeerRole::Prefill;
     fn local_abort(request: RequestId, _error: RequestError) -> Self {
         ToPrefill::Cancel { request }
     }
@@ -221,18 +242,22 @@ impl Inbox for ToPrefill {
     }
 }
 
-/// Starts the decode side of the link over a connected `stream`.
+/// Starts the decode side of the link over a connected `stream` (after the
+/// authenticated handshake when `opts.auth` is set).
 ///
 /// # Errors
-/// [`WireError::Io`] when the socket cannot be configured or cloned.
+/// [`WireError::Io`] when the socket cannot be configured or cloned;
+/// [`PeerAuthError`](peer_auth::PeerAuthError) when the peer fails the
+/// handshake.
 pub fn decode_end(stream: TcpStream, opts: &TcpOptions) -> Result<DecodeEnd, EngineError> {
     open::<ToDecode>(stream, opts)
 }
 
-/// Starts the prefill side of the link over a connected `stream`.
+/// Starts the prefill side of the link over a connected `stream`, as
+/// [`decode_end`].
 ///
 /// # Errors
-/// [`WireError::Io`] when the socket cannot be configured or cloned.
+/// As [`decode_end`].
 pub fn prefill_end(stream: TcpStream, opts: &TcpOptions) -> Result<PrefillEnd, EngineError> {
     open::<ToPrefill>(stream, opts)
 }
@@ -405,7 +430,8 @@ impl Listener {
 /// One side of a connection: its link to the peer and its inbox.
 type End<In> = (TcpLink<<In as Inbox>::Reply>, Receiver<Inbound<In>>);
 
-/// Configures `stream`, starts the reader and writer threads.
+/// Authenticates the peer (with a key), configures `stream`, starts the
+/// reader and writer threads.
 fn open<In: Inbox>(stream: TcpStream, opts: &TcpOptions) -> Result<End<In>, EngineError> {
     let peer = match stream.peer_addr() {
         Ok(a) => format!("{}@{a}", In::PEER_ROLE),
@@ -421,20 +447,42 @@ fn open<In: Inbox>(stream: TcpStream, opts: &TcpOptions) -> Result<End<In>, Engi
     stream
         .set_nodelay(true)
         .map_err(|e| err("set TCP_NODELAY", e))?;
+    let session = match &opts.auth {
+        Some(key) => Some(peer_auth::handshake(
+            &stream,
+            &peer,
+            In::ROLE,
+            key,
+            opts.handshake_deadline,
+        )?),
+        None => None,
+    };
     stream
         .set_read_timeout(Some(opts.peer_timeout))
         .map_err(|e| err("set read timeout", e))?;
     stream
         .set_write_timeout(Some(opts.peer_timeout))
         .map_err(|e| err("set write timeout", e))?;
-    let read_half = stream.try_clone().map_err(|e| err("clone socket", e))?;
+    let clone = || stream.try_clone().map_err(|e| err("clone socket", e));
+    let (sink, input): (Box<dyn Write + Send>, Box<dyn Read + Send>) = match session {
+        Some(keys) => {
+            let (w, r) = keys.split(clone()?, io::BufReader::with_capacity(64 << 10, clone()?));
+            (Box::new(w), Box::new(r))
+        }
+        None => (
+            Box::new(io::BufWriter::with_capacity(64 << 10, clone()?)),
+            Box::new(io::BufReader::with_capacity(64 << 10, clone()?)),
+        ),
+    };
+    let read_half = clone()?;
     let shared = Arc::new(Shared::default());
     let (queue, outgoing) = unbounded::<Outgoing<In::Reply>>();
     let (inbox_tx, inbox) = unbounded::<Inbound<In>>();
 
     let writer = Writer {
         peer: peer.clone(),
-        stream: io::BufWriter::with_capacity(64 << 10, stream),
+        sink,
+        socket: stream,
         outgoing,
         shared: Arc::clone(&shared),
         heartbeat: opts.heartbeat,
@@ -446,6 +494,7 @@ fn open<In: Inbox>(stream: TcpStream, opts: &TcpOptions) -> Result<End<In>, Engi
 
     let reader = Reader::<In> {
         peer: peer.clone(),
+        input,
         stream: read_half,
         inbox: inbox_tx,
         replies: queue.clone(),
@@ -472,7 +521,10 @@ fn open<In: Inbox>(stream: TcpStream, opts: &TcpOptions) -> Result<End<In>, Engi
 /// Writes queued frames and heartbeats.
 struct Writer<M> {
     peer: String,
-    stream: io::BufWriter<TcpStream>,
+    /// Buffered (plain) or sealed into records (authenticated).
+    sink: Box<dyn Write + Send>,
+    /// For shutting the connection down.
+    socket: TcpStream,
     outgoing: Receiver<Outgoing<M>>,
     shared: Arc<Shared>,
     heartbeat: Duration,
@@ -490,8 +542,8 @@ impl<M: WireMessage> Writer<M> {
                 Ok(Outgoing::Close) | Err(RecvTimeoutError::Disconnected) => {
                     // FIN after the queued bytes; the reader goes on until
                     // the peer closes its side.
-                    let _ = self.stream.flush();
-                    let _ = self.stream.get_ref().shutdown(Shutdown::Write);
+                    let _ = self.sink.flush();
+                    let _ = self.socket.shutdown(Shutdown::Write);
                     return;
                 }
             };
@@ -501,20 +553,20 @@ impl<M: WireMessage> Writer<M> {
             tracing::warn!(peer = %self.peer, "{reason}");
             self.shared.set_down(&reason);
             // Wakes the reader, which reports the break to the inbox.
-            let _ = self.stream.get_ref().shutdown(Shutdown::Both);
+            let _ = self.socket.shutdown(Shutdown::Both);
         }
     }
 
     /// Writes one frame and flushes (unless more frames are already queued).
     fn write(&mut self, head: &[u8], bulk: Option<&[u8]>) -> io::Result<()> {
-        self.stream.write_all(head)?;
+        self.sink.write_all(head)?;
         if let Some(b) = bulk {
-            // Large writes bypass the buffer: the KV bytes go from the
-            // message to the socket.
-            self.stream.write_all(b)?;
+            // Plain: large writes bypass the buffer, the KV bytes go from
+            // the message to the socket. Sealed: they fill records.
+            self.sink.write_all(b)?;
         }
         if self.outgoing.is_empty() {
-            self.stream.flush()?;
+            self.sink.flush()?;
         }
         Ok(())
     }
@@ -523,6 +575,9 @@ impl<M: WireMessage> Writer<M> {
 /// Reads frames and delivers them to the inbox.
 struct Reader<In: Inbox> {
     peer: String,
+    /// Buffered (plain) or opened from verified records (authenticated).
+    input: Box<dyn Read + Send>,
+    /// For shutting the connection down.
     stream: TcpStream,
     inbox: Sender<Inbound<In>>,
     replies: Sender<Outgoing<In::Reply>>,
@@ -533,9 +588,8 @@ struct Reader<In: Inbox> {
 
 impl<In: Inbox> Reader<In> {
     fn run(mut self) {
-        let mut input = io::BufReader::with_capacity(64 << 10, &self.stream);
         let reason = loop {
-            match wire::read_frame::<In, _>(&mut input, &self.limits) {
+            match wire::read_frame::<In, _>(&mut self.input, &self.limits) {
                 Ok(Some(msg)) => {
                     msg.observe(&mut self.limits);
                     if self.inbox.send(Inbound::Message(msg)).is_err() {
@@ -551,7 +605,6 @@ impl<In: Inbox> Reader<In> {
                 Err(e) => break self.describe_break(&e),
             }
         };
-        drop(input);
         // A writer that failed first knows the better reason.
         let reason = self.shared.down_reason().unwrap_or(reason);
         self.shared.set_down(&reason);
@@ -574,8 +627,20 @@ impl<In: Inbox> Reader<In> {
                     self.peer, self.peer_timeout
                 )
             }
-            WireError::Io { source, .. } => {
-                format!("connection with {} failed: {source}", self.peer)
+            WireError::Io { source, .. } => match peer_auth::auth_failure(source) {
+                Some(refused) => format!(
+                    "{} sent a frame that fails authentication: {refused}",
+                    self.peer
+                ),
+                None => format!("connection with {} failed: {source}", self.peer),
+            },
+            WireError::UnsupportedVersion { version, .. }
+                if version.to_le_bytes() == peer_auth::HANDSHAKE_MAGIC[4..6] =>
+            {
+                format!(
+                    "{} requires an authenticated link: start this node with the deployment's --peer-key",
+                    self.peer
+                )
             }
             e => format!("frame from {} breaks the stream: {e}", self.peer),
         }

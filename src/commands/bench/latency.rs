@@ -449,7 +449,7 @@ fn engine_floor(args: &Args, deployment: Deployment) -> anyhow::Result<EngineFlo
             let addr = listener.local_addr();
             let (control, inbox) = PrefillControl::new();
             let prefill = {
-                let (model, cfg) = (model.clone(), cfg.clone());
+                let (model, cfg, opts) = (model.clone(), cfg.clone(), opts.clone());
                 std::thread::Builder::new()
                     .name("bench-prefill".into())
                     .spawn(move || {
