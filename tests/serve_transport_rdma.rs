@@ -127,10 +127,26 @@ fn without_an_rdma_device_the_rdma_transport_fails_at_start_naming_the_device() 
 #[test]
 #[ignore = "requires an RDMA device"]
 fn a_decode_and_a_prefill_process_over_rdma_serve_the_tokens_a_unified_process_serves() {
+    over_rdma_serves_what_unified_serves(&[]);
+}
+
+/// As above, with the side channel authenticated by the deployment's key.
+#[cfg(feature = "rdma")]
+#[test]
+#[ignore = "requires an RDMA device"]
+fn with_a_peer_key_the_rdma_processes_serve_what_a_unified_process_serves() {
+    let key = serve_common::peer_key_file("rdma", 0x55);
+    let key = key.to_str().expect("a UTF-8 temp path").to_string();
+    over_rdma_serves_what_unified_serves(&["--peer-key".into(), key]);
+}
+
+#[cfg(feature = "rdma")]
+fn over_rdma_serves_what_unified_serves(extra: &[String]) {
     use serve_common::START_BOUND;
     use serve_common::client::Client;
 
     let mut rdma_args: Vec<String> = vec!["--transport".into(), "rdma".into()];
+    rdma_args.extend(extra.iter().cloned());
     if let Ok(device) = std::env::var("KVSAN_RDMA_DEVICE") {
         rdma_args.extend(["--rdma-device".into(), device]);
     }
@@ -157,7 +173,7 @@ fn a_decode_and_a_prefill_process_over_rdma_serve_the_tokens_a_unified_process_s
             .chain([peer])
             .collect(),
     );
-    decode.wait_for("prefill node connected over RDMA", START_BOUND);
+    decode.wait_for("over RDMA)", START_BOUND);
     let unified_server = Server::synthetic("unified", "unified", &[]);
     let unified = Client::new(&unified_server.listen());
     let over_rdma = Client::new(&addrs.listen.expect("listen="));
@@ -178,4 +194,24 @@ fn a_decode_and_a_prefill_process_over_rdma_serve_the_tokens_a_unified_process_s
         );
     }
     drop(prefill);
+}
+
+/// `--peer-key` goes with the RDMA transport: a decode node listening off
+/// loopback with a key passes the peer-link check and stops only at the
+/// missing device; without the key it stops at the peer-link check.
+#[cfg(feature = "rdma")]
+#[test]
+fn the_rdma_transport_takes_a_peer_key_for_a_link_off_this_host() {
+    if kvsan_engine::transport::rdma::rdma_devices().is_ok_and(|d| !d.is_empty()) {
+        eprintln!("this machine has an RDMA device: nothing to check here");
+        return;
+    }
+    let mut off_host: Vec<&str> = DECODE_RDMA.to_vec();
+    let at = off_host.iter().position(|a| *a == "--peer-listen").unwrap() + 1;
+    off_host[at] = "0.0.0.0:0";
+    fails_with(&off_host, "is not a loopback address");
+    let key = serve_common::peer_key_file("rdma-cli", 0x66);
+    let key = key.to_str().expect("a UTF-8 temp path").to_string();
+    off_host.extend(["--peer-key", key.as_str()]);
+    fails_with(&off_host, "cannot open the RDMA device");
 }

@@ -308,7 +308,9 @@ impl Engine {
     /// node that connected to the side channel), offering `pool` — the
     /// region [`Engine::decode_only_rdma`] returned — and attaches the link
     /// as [`Engine::attach_prefill`] does. The decode node refuses a link
-    /// set up with another pool's region.
+    /// set up with another pool's region. With `auth`, the prefill node must
+    /// prove it holds the deployment's key before it learns anything about
+    /// the pool.
     ///
     /// # Errors
     /// As [`RdmaDecodeEndpoint::handshake`](crate::transport::rdma::RdmaDecodeEndpoint::handshake).
@@ -317,9 +319,10 @@ impl Engine {
         &self,
         stream: std::net::TcpStream,
         pool: &crate::transport::rdma::PoolRegion,
+        auth: Option<&crate::transport::peer_auth::PeerKey>,
     ) -> Result<(), EngineError> {
         let (tx, inbox) = unbounded();
-        let link = crate::transport::rdma::RdmaDecodeEndpoint::handshake(stream, pool, tx)?;
+        let link = crate::transport::rdma::RdmaDecodeEndpoint::handshake(stream, pool, tx, auth)?;
         let landing = Some(link.landing_zone());
         let _ = self.front.send(Command::AttachPrefill {
             link: Box::new(link),

@@ -1,4 +1,5 @@
-//! The RDMA link (feature `rdma`). The loopback test needs an RDMA device
+//! The RDMA link (feature `rdma`), plain and authenticated with a peer
+//! key. The loopback tests need an RDMA device
 //! (`KVSAN_RDMA_DEVICE` names it, default the first; `KVSAN_RDMA_GID_INDEX`
 //! picks the GID, default automatic); the rest runs anywhere.
 #![cfg(feature = "rdma")]
@@ -8,9 +9,11 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, unbounded};
 use half::f16;
+use kvsan_engine::EngineError;
 use kvsan_engine::kv_pool::KvPool;
 use kvsan_engine::request::{ErrorKind, RequestError};
 use kvsan_engine::sampler::SamplingParams;
+use kvsan_engine::transport::peer_auth::{PeerAuthError, PeerKey};
 use kvsan_engine::transport::rdma::{
     RdmaConfig, RdmaDecodeEndpoint, RdmaDevice, RdmaPrefillEndpoint, RegisteredPool, rdma_devices,
 };
@@ -73,6 +76,51 @@ fn recv<M>(inbox: &Receiver<Inbound<M>>) -> M {
 #[test]
 #[ignore = "requires an RDMA device"]
 fn loopback_kv_lands_in_the_decode_pool_byte_for_byte_and_messages_keep_their_order() {
+    kv_lands_byte_for_byte(None);
+}
+
+#[test]
+#[ignore = "requires an RDMA device"]
+fn with_a_peer_key_kv_lands_as_it_does_without_one() {
+    kv_lands_byte_for_byte(Some(PeerKey::from_bytes(&[0x5a; 32]).unwrap()));
+}
+
+#[test]
+#[ignore = "requires an RDMA device"]
+fn a_prefill_node_with_another_key_is_refused_and_never_learns_the_pool() {
+    let device = RdmaDevice::open(&config()).expect("open the RDMA device");
+    let decode_pool = RegisteredPool::register(&device, KvPool::new(geometry(), 8).unwrap())
+        .expect("register the decode pool");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let prefill_device = device.clone();
+    let prefill = std::thread::spawn(move || {
+        let stream = TcpStream::connect(addr).unwrap();
+        let wrong = PeerKey::from_bytes(&[0x33; 32]).unwrap();
+        RdmaPrefillEndpoint::handshake(stream, &prefill_device, unbounded().0, Some(&wrong))
+            .map(|_| ())
+    });
+    let (stream, _) = listener.accept().unwrap();
+    let right = PeerKey::from_bytes(&[0x5a; 32]).unwrap();
+    let err =
+        RdmaDecodeEndpoint::handshake(stream, &decode_pool.region(), unbounded().0, Some(&right))
+            .map(|_| ())
+            .unwrap_err();
+    assert!(
+        matches!(err, EngineError::PeerAuth(PeerAuthError::BadProof { .. })),
+        "{err}"
+    );
+    let theirs = prefill.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            theirs,
+            EngineError::PeerAuth(PeerAuthError::BadProof { .. })
+        ),
+        "{theirs}"
+    );
+}
+
+fn kv_lands_byte_for_byte(auth: Option<PeerKey>) {
     let device = RdmaDevice::open(&config()).expect("open the RDMA device");
 
     // Prefill's pool, every value distinct.
@@ -93,13 +141,16 @@ fn loopback_kv_lands_in_the_decode_pool_byte_for_byte_and_messages_keep_their_or
     let addr = listener.local_addr().unwrap();
     let (prefill_tx, prefill_inbox) = unbounded();
     let prefill_device = device.clone();
+    let prefill_auth = auth.clone();
     let prefill = std::thread::spawn(move || {
         let stream = TcpStream::connect(addr).unwrap();
-        RdmaPrefillEndpoint::handshake(stream, &prefill_device, prefill_tx)
+        RdmaPrefillEndpoint::handshake(stream, &prefill_device, prefill_tx, prefill_auth.as_ref())
     });
     let (decode_tx, decode_inbox) = unbounded();
     let (stream, _) = listener.accept().unwrap();
-    let decode = RdmaDecodeEndpoint::handshake(stream, &decode_pool.region(), decode_tx).unwrap();
+    let decode =
+        RdmaDecodeEndpoint::handshake(stream, &decode_pool.region(), decode_tx, auth.as_ref())
+            .unwrap();
     let prefill = prefill.join().unwrap().unwrap();
 
     // Decode → prefill on the side channel.

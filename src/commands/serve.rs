@@ -23,7 +23,8 @@
 //! The peer link is authenticated with `--peer-key FILE`, the deployment's
 //! pre-shared key ([`kvsan_engine::transport::peer_auth`]): a peer that
 //! does not prove it holds the same key is refused before any page is
-//! reserved for it. Without a key a node only listens on or connects to a
+//! reserved for it — over RDMA, before it learns the pool's address and
+//! key. Without a key a node only listens on or connects to a
 //! loopback peer address, unless `--insecure-peer-link` says otherwise; it
 //! says at start which mode it runs in.
 //!
@@ -225,14 +226,14 @@ fn peer_link_options(args: &Args) -> anyhow::Result<TcpOptions> {
         (None, None) => return Ok(TcpOptions::default()),
     };
     if let Some(path) = &args.peer_key {
-        if args.transport == Some(Transport::Rdma) {
-            bail!(
-                "--peer-key is not supported with --transport rdma yet: its side channel is not authenticated"
-            );
-        }
         let key = PeerKey::from_file(path)?;
+        let covers = if args.transport == Some(Transport::Rdma) {
+            "the side channel's handshake and orders; the queue pair connects only to the authenticated peer's"
+        } else {
+            "authenticity and integrity, not confidentiality"
+        };
         eprintln!(
-            "kvsan: peer link authenticated with the key in {} (authenticity and integrity, not confidentiality)",
+            "kvsan: peer link authenticated with the key in {} ({covers})",
             path.display()
         );
         return Ok(TcpOptions {
@@ -476,9 +477,13 @@ fn run_front(
         std::thread::Builder::new()
             .name("kvsan-peer-accept".into())
             .spawn(move || match transport {
-                PeerTransport::Tcp => accept_prefill_nodes(&peers, &engine, &link_opts),
+                PeerTransport::Tcp => accept_prefill_nodes(&peers, move |stream| {
+                    attach_tcp_prefill(stream, &engine, &link_opts)
+                }),
                 #[cfg(feature = "rdma")]
-                PeerTransport::Rdma(region) => accept_rdma_prefill_nodes(&peers, &engine, &region),
+                PeerTransport::Rdma(region) => accept_prefill_nodes(&peers, move |stream| {
+                    attach_rdma_prefill(stream, &engine, &region, &link_opts)
+                }),
             })
             .context("cannot start the prefill accept thread")?;
     }
@@ -492,10 +497,14 @@ const MAX_HANDSHAKES: usize = 16;
 /// Attaches every prefill node that connects; a new connection replaces
 /// the previous link (requests still waiting on that one are aborted). A
 /// connection that fails authentication is refused before it replaces
-/// anything. Each handshake runs on its own thread, bounded by its
-/// deadline and by [`MAX_HANDSHAKES`], so a peer that stalls it delays
-/// nobody else.
-fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Arc<Engine>, opts: &TcpOptions) {
+/// anything. Each handshake (`attach`: it returns the peer's name once the
+/// link is attached) runs on its own thread, bounded by its deadline and by
+/// [`MAX_HANDSHAKES`], so a peer that stalls it delays nobody else.
+fn accept_prefill_nodes<F>(peers: &tcp::Listener, attach: F)
+where
+    F: Fn(std::net::TcpStream) -> Result<String, kvsan_engine::EngineError> + Send + Sync + 'static,
+{
+    let attach = Arc::new(attach);
     let handshakes = Arc::new(AtomicUsize::new(0));
     loop {
         let stream = match peers.accept(None) {
@@ -516,21 +525,17 @@ fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Arc<Engine>, opts: &TcpO
             );
             continue;
         }
-        let (engine, opts, count) = (Arc::clone(engine), opts.clone(), Arc::clone(&handshakes));
+        let (attach, count) = (Arc::clone(&attach), Arc::clone(&handshakes));
         let who = addr.clone();
         let spawned = std::thread::Builder::new()
             .name("kvsan-peer-handshake".into())
             .spawn(move || {
-                let opened = tcp::decode_end(stream, &opts);
+                let attached = attach(stream);
                 count.fetch_sub(1, Ordering::AcqRel);
-                match opened {
-                    Ok((link, inbox)) => {
-                        let peer = link.peer().to_string();
-                        engine.attach_prefill(Box::new(link), inbox);
-                        // Said once attached: a request submitted after this
-                        // line reaches the decode node after the link.
-                        eprintln!("kvsan: prefill node connected ({peer})");
-                    }
+                match attached {
+                    // Said once attached: a request submitted after this
+                    // line reaches the decode node after the link.
+                    Ok(peer) => eprintln!("kvsan: prefill node connected ({peer})"),
                     Err(kvsan_engine::EngineError::PeerAuth(e)) => {
                         eprintln!("kvsan: refused a prefill node: {e}");
                     }
@@ -544,31 +549,33 @@ fn accept_prefill_nodes(peers: &tcp::Listener, engine: &Arc<Engine>, opts: &TcpO
     }
 }
 
-/// As [`accept_prefill_nodes`], each connection the side channel of an RDMA
-/// link: the handshake offers the decode node's registered pool.
+/// Attaches a prefill node over TCP.
+fn attach_tcp_prefill(
+    stream: std::net::TcpStream,
+    engine: &Engine,
+    opts: &TcpOptions,
+) -> Result<String, kvsan_engine::EngineError> {
+    let (link, inbox) = tcp::decode_end(stream, opts)?;
+    let peer = link.peer().to_string();
+    engine.attach_prefill(Box::new(link), inbox);
+    Ok(peer)
+}
+
+/// Attaches a prefill node whose connection is the side channel of an RDMA
+/// link: the handshake offers the decode node's registered pool, to a node
+/// that proved it holds `opts.auth` when one is set.
 #[cfg(feature = "rdma")]
-fn accept_rdma_prefill_nodes(
-    peers: &tcp::Listener,
+fn attach_rdma_prefill(
+    stream: std::net::TcpStream,
     engine: &Engine,
     region: &kvsan_engine::transport::rdma::PoolRegion,
-) {
-    loop {
-        let stream = match peers.accept(None) {
-            Ok(stream) => stream,
-            Err(e) => {
-                eprintln!("kvsan: accepting a prefill node failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
-        let peer = stream
-            .peer_addr()
-            .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
-        match engine.attach_rdma_prefill(stream, region) {
-            Ok(()) => eprintln!("kvsan: prefill node connected over RDMA ({peer})"),
-            Err(e) => eprintln!("kvsan: RDMA handshake with prefill node {peer} failed: {e}"),
-        }
-    }
+    opts: &TcpOptions,
+) -> Result<String, kvsan_engine::EngineError> {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
+    engine.attach_rdma_prefill(stream, region, opts.auth.as_ref())?;
+    Ok(format!("{peer}, over RDMA"))
 }
 
 /// A TCP link the prefill role keeps a handle on, to say why it dropped.
@@ -595,7 +602,8 @@ fn run_prefill(
     if let Some(device) = rdma {
         use kvsan_engine::transport::rdma;
         return serve_decode_peer(args, model, cfg, "RDMA", |_| {
-            let (link, rx) = rdma::connect_prefill(peer.as_str(), retry, &device)?;
+            let (link, rx) =
+                rdma::connect_prefill(peer.as_str(), retry, &device, opts.auth.as_ref())?;
             let boxed: Box<dyn Link<ToDecode>> = Box::new(link);
             Ok((boxed, rx))
         });

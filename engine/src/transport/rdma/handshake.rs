@@ -11,10 +11,12 @@
 //!  then, once each side's queue pair is ready to send: one byte 'R' each way
 //! ```
 //!
-//! All integers little-endian.
+//! All integers little-endian. With a peer key the handshake runs inside
+//! the authenticated records of [`crate::transport::peer_auth`], after its
+//! challenge–response: the pool's address and key reach only a peer that
+//! proved it holds the deployment's key.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 
 use kvsan_kernels::attention::KvGeometry;
 
@@ -79,13 +81,14 @@ impl Hello {
 }
 
 /// Sends `mine`, reads the peer's hello, and checks it has the other role.
-pub(crate) fn exchange(
-    stream: &mut TcpStream,
+pub(crate) fn exchange<S: Read + Write>(
+    stream: &mut S,
     peer: &str,
     mine: &Hello,
 ) -> Result<Hello, RdmaError> {
     stream
         .write_all(&mine.encode())
+        .and_then(|()| stream.flush())
         .map_err(|e| side_err(peer, "send connection data", e))?;
     let mut head = [0u8; 9 + 2 + 1 + 4 + 4 + 2 + 16 + 1];
     stream
@@ -168,9 +171,10 @@ pub(crate) fn exchange(
 }
 
 /// Tells the peer this side's queue pair is ready, and waits for the peer's.
-pub(crate) fn ready(stream: &mut TcpStream, peer: &str) -> Result<(), RdmaError> {
+pub(crate) fn ready<S: Read + Write>(stream: &mut S, peer: &str) -> Result<(), RdmaError> {
     stream
         .write_all(&[READY])
+        .and_then(|()| stream.flush())
         .map_err(|e| side_err(peer, "send ready", e))?;
     let mut b = [0u8; 1];
     stream
@@ -202,7 +206,7 @@ fn protocol(peer: &str, what: String) -> RdmaError {
 
 #[cfg(test)]
 mod tests {
-    use std::net::TcpListener;
+    use std::net::{TcpListener, TcpStream};
 
     use super::*;
 
@@ -295,5 +299,90 @@ mod tests {
         b.write_all(&[b'G'; 80]).unwrap();
         let err = exchange(&mut a, "b", &Hello::Prefill { qp: qp(1) }).unwrap_err();
         assert!(err.to_string().contains("expected magic"), "{err}");
+    }
+
+    mod authenticated {
+        use super::*;
+        use crate::EngineError;
+        use crate::transport::peer_auth::{PeerAuthError, PeerKey, PeerRole};
+        use crate::transport::rdma::SideChannel;
+
+        fn key(byte: u8) -> PeerKey {
+            PeerKey::from_bytes(&[byte; 32]).unwrap()
+        }
+
+        #[test]
+        fn with_the_same_key_both_sides_learn_the_connection_data() {
+            let (d, p) = pair();
+            let decode = Hello::Decode {
+                qp: qp(1),
+                pool: pool(),
+            };
+            let prefill = Hello::Prefill { qp: qp(2) };
+            let t = std::thread::spawn(move || {
+                let mut side =
+                    SideChannel::open(&p, "decode", PeerRole::Prefill, Some(&key(7))).unwrap();
+                let got = exchange(&mut side, "decode", &prefill).unwrap();
+                ready(&mut side, "decode").unwrap();
+                got
+            });
+            let mut side =
+                SideChannel::open(&d, "prefill", PeerRole::Decode, Some(&key(7))).unwrap();
+            assert_eq!(exchange(&mut side, "prefill", &decode).unwrap(), prefill);
+            ready(&mut side, "prefill").unwrap();
+            assert_eq!(t.join().unwrap(), decode);
+        }
+
+        #[test]
+        fn a_peer_with_another_key_is_refused_before_any_connection_data() {
+            let (d, p) = pair();
+            let t = std::thread::spawn(move || {
+                let opened = SideChannel::open(&p, "decode", PeerRole::Prefill, Some(&key(8)));
+                (opened.err(), p)
+            });
+            let err = SideChannel::open(&d, "prefill", PeerRole::Decode, Some(&key(7)))
+                .err()
+                .expect("a wrong key is refused");
+            assert!(
+                matches!(err, EngineError::PeerAuth(PeerAuthError::BadProof { .. })),
+                "{err}"
+            );
+            drop(d);
+            let (theirs, mut p) = t.join().unwrap();
+            assert!(
+                matches!(
+                    theirs,
+                    Some(EngineError::PeerAuth(PeerAuthError::BadProof { .. }))
+                ),
+                "{theirs:?}"
+            );
+            // Nothing followed the proofs: the refused peer never saw a hello.
+            p.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                .unwrap();
+            let mut rest = Vec::new();
+            p.read_to_end(&mut rest).unwrap();
+            assert!(rest.is_empty(), "{} bytes after the proofs", rest.len());
+        }
+
+        #[test]
+        fn a_peer_without_a_key_is_refused_by_a_node_with_one() {
+            let (d, mut p) = pair();
+            let t = std::thread::spawn(move || {
+                exchange(&mut p, "decode", &Hello::Prefill { qp: qp(2) }).unwrap_err()
+            });
+            let err = SideChannel::open(&d, "prefill", PeerRole::Decode, Some(&key(7)))
+                .err()
+                .expect("a plain peer is refused");
+            assert!(
+                matches!(
+                    err,
+                    EngineError::PeerAuth(PeerAuthError::NotAuthenticating { .. })
+                ),
+                "{err}"
+            );
+            // The plain peer sees the authenticated hello and stops there.
+            let theirs = t.join().unwrap();
+            assert!(theirs.to_string().contains("expected magic"), "{theirs}");
+        }
     }
 }

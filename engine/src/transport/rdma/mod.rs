@@ -40,6 +40,7 @@
 mod handshake;
 mod verbs;
 
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -56,6 +57,7 @@ pub use verbs::{
 
 use self::handshake::{Hello, RemotePool};
 use self::verbs::{Backoff, QueuePairRc, RegisteredBuffer, SendKind, SendOp};
+use super::peer_auth::{self, PeerKey, PeerRole};
 use super::wire::{self, WireLimits};
 use super::{
     Inbound, KvPayload, KvTransfer, LandingZone, Link, LinkDown, ToDecode, ToPrefill,
@@ -139,13 +141,77 @@ fn side_err(peer: &str, op: &'static str, source: std::io::Error) -> RdmaError {
     }
 }
 
+/// The side channel's two halves: the socket's bytes as they are, or —
+/// with the deployment's key — authenticated records after the
+/// challenge–response of [`peer_auth`], so that the connection data that
+/// follows (the queue pair and, from decode, the pool's address and key)
+/// reaches only a peer holding the key, and every later order is
+/// authenticated.
+struct SideChannel {
+    reader: Box<dyn Read + Send>,
+    writer: Box<dyn Write + Send>,
+}
+
+impl SideChannel {
+    /// Opens the side channel on `stream` as `me`; with `auth`, the peer
+    /// must prove within [`HANDSHAKE_TIMEOUT`] that it holds the key.
+    fn open(
+        stream: &TcpStream,
+        peer: &str,
+        me: PeerRole,
+        auth: Option<&PeerKey>,
+    ) -> Result<SideChannel, EngineError> {
+        let clone = || {
+            stream
+                .try_clone()
+                .map_err(|e| side_err(peer, "clone socket", e))
+        };
+        let (reader, writer) = (clone()?, clone()?);
+        let Some(key) = auth else {
+            return Ok(SideChannel {
+                reader: Box::new(reader),
+                writer: Box::new(writer),
+            });
+        };
+        let keys = peer_auth::handshake(stream, peer, me, key, HANDSHAKE_TIMEOUT)?;
+        // The handshake bounded each write by its deadline; orders later
+        // wait as long as the link lives.
+        stream
+            .set_write_timeout(None)
+            .map_err(|e| side_err(peer, "clear the handshake's write timeout", e))?;
+        let (writer, reader) = keys.split(writer, reader);
+        Ok(SideChannel {
+            reader: Box::new(reader),
+            writer: Box::new(writer),
+        })
+    }
+}
+
+impl Read for SideChannel {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.reader.read(buf)
+    }
+}
+
+impl Write for SideChannel {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.writer.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.writer.flush()
+    }
+}
+
 /// The decode node's end of an RDMA link: receives KV into its
 /// registered pool ([`PoolRegistration`]) and messages into its inbox;
 /// sends orders to prefill.
 pub struct RdmaDecodeEndpoint {
     peer: String,
     landing: LandingZone,
-    writer: Mutex<TcpStream>,
+    writer: Mutex<Box<dyn Write + Send>>,
+    /// The side channel's socket, shut down when the link is dropped.
+    control: TcpStream,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -163,20 +229,28 @@ impl RdmaDecodeEndpoint {
     /// side may have listened): offers the registered pool `pool` for RDMA
     /// WRITEs and starts delivering prefill's messages to `inbox`.
     ///
+    /// With `auth`, the prefill side must first prove it holds the
+    /// deployment's key: a peer that does not is refused before it learns
+    /// anything about the pool, and the side channel's orders are
+    /// authenticated records.
+    ///
     /// The registration must outlive the link for transfers to land; if it
     /// is dropped first, prefill's writes fail (the region is gone) and the
     /// link breaks, but no memory is touched.
     ///
     /// # Errors
+    /// [`EngineError::PeerAuth`] when the peer fails authentication;
     /// [`RdmaError::Verbs`] when a verbs call fails,
     /// [`RdmaError::SideChannel`] / [`RdmaError::Protocol`] when
     /// the handshake fails.
     pub fn handshake(
-        mut stream: TcpStream,
+        stream: TcpStream,
         pool: &PoolRegion,
         inbox: Sender<Inbound<ToDecode>>,
-    ) -> Result<RdmaDecodeEndpoint, RdmaError> {
+        auth: Option<&PeerKey>,
+    ) -> Result<RdmaDecodeEndpoint, EngineError> {
         let peer = peer_name(&stream);
+        let mut side = SideChannel::open(&stream, &peer, PeerRole::Decode, auth)?;
         set_handshake_timeout(&stream, &peer, Some(HANDSHAKE_TIMEOUT))?;
         let device = pool.device();
         let remote = pool.remote();
@@ -193,14 +267,15 @@ impl RdmaDecodeEndpoint {
             qp: qp.endpoint(),
             pool: remote,
         };
-        let Hello::Prefill { qp: theirs } = handshake::exchange(&mut stream, &peer, &mine)? else {
+        let Hello::Prefill { qp: theirs } = handshake::exchange(&mut side, &peer, &mine)? else {
             return Err(RdmaError::Protocol {
                 peer,
                 what: "the peer answered as a decode node".into(),
-            });
+            }
+            .into());
         };
         qp.connect(&theirs)?;
-        handshake::ready(&mut stream, &peer)?;
+        handshake::ready(&mut side, &peer)?;
         set_handshake_timeout(&stream, &peer, None)?;
 
         let stop = Arc::new(AtomicBool::new(false));
@@ -216,9 +291,10 @@ impl RdmaDecodeEndpoint {
             .name("rdma-decode-recv".into())
             .spawn(move || receiver.run())
             .map_err(|e| side_err(&peer, "start receive thread", e))?;
-        let mut watch = stream
-            .try_clone()
-            .map_err(|e| side_err(&peer, "clone socket", e))?;
+        let SideChannel {
+            reader: mut watch,
+            writer,
+        } = side;
         let watch_stop = Arc::clone(&stop);
         let watch_peer = peer.clone();
         let watch_thread = std::thread::Builder::new()
@@ -227,7 +303,7 @@ impl RdmaDecodeEndpoint {
                 // Prefill sends nothing on the side channel after the
                 // handshake: any read result means the link is over.
                 let mut b = [0u8; 1];
-                let reason = match std::io::Read::read(&mut watch, &mut b) {
+                let reason = match watch.read(&mut b) {
                     Ok(0) => format!("prefill {watch_peer} closed the side channel"),
                     Ok(_) => format!("prefill {watch_peer} sent unexpected side-channel data"),
                     Err(e) => format!("side channel to prefill {watch_peer}: {e}"),
@@ -240,7 +316,8 @@ impl RdmaDecodeEndpoint {
         Ok(RdmaDecodeEndpoint {
             peer,
             landing,
-            writer: Mutex::new(stream),
+            writer: Mutex::new(writer),
+            control: stream,
             stop,
             threads: vec![recv_thread, watch_thread],
         })
@@ -271,16 +348,16 @@ impl Link<ToPrefill> for RdmaDecodeEndpoint {
             return Err(down("the link is closed".into()));
         }
         let mut w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        wire::write_frame(&mut *w, &msg).map_err(|e| down(e.to_string()))
+        wire::write_frame(&mut *w, &msg).map_err(|e| down(e.to_string()))?;
+        w.flush()
+            .map_err(|e| down(format!("sending an order failed: {e}")))
     }
 }
 
 impl Drop for RdmaDecodeEndpoint {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        let w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        let _ = w.shutdown(std::net::Shutdown::Both);
-        drop(w);
+        let _ = self.control.shutdown(std::net::Shutdown::Both);
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -508,30 +585,35 @@ struct PrefillSender {
 impl RdmaPrefillEndpoint {
     /// Connects to the decode side over `stream` (already connected, either
     /// side may have listened) using `device`, and starts delivering decode's
-    /// orders to `inbox`.
+    /// orders to `inbox`. With `auth`, the decode side must first prove it
+    /// holds the deployment's key, as in [`RdmaDecodeEndpoint::handshake`].
     ///
     /// # Errors
+    /// [`EngineError::PeerAuth`] when the peer fails authentication;
     /// [`RdmaError::Verbs`] when a verbs call fails,
     /// [`RdmaError::SideChannel`] / [`RdmaError::Protocol`] when
     /// the handshake fails.
     pub fn handshake(
-        mut stream: TcpStream,
+        stream: TcpStream,
         device: &Arc<RdmaDevice>,
         inbox: Sender<Inbound<ToPrefill>>,
-    ) -> Result<RdmaPrefillEndpoint, RdmaError> {
+        auth: Option<&PeerKey>,
+    ) -> Result<RdmaPrefillEndpoint, EngineError> {
         let peer = peer_name(&stream);
+        let mut side = SideChannel::open(&stream, &peer, PeerRole::Prefill, auth)?;
         set_handshake_timeout(&stream, &peer, Some(HANDSHAKE_TIMEOUT))?;
         let mut qp = QueuePairRc::new(device, SEND_DEPTH, 1)?;
         let mine = Hello::Prefill { qp: qp.endpoint() };
-        let Hello::Decode { qp: theirs, pool } = handshake::exchange(&mut stream, &peer, &mine)?
+        let Hello::Decode { qp: theirs, pool } = handshake::exchange(&mut side, &peer, &mine)?
         else {
             return Err(RdmaError::Protocol {
                 peer,
                 what: "the peer answered as a prefill node".into(),
-            });
+            }
+            .into());
         };
         qp.connect(&theirs)?;
-        handshake::ready(&mut stream, &peer)?;
+        handshake::ready(&mut side, &peer)?;
         set_handshake_timeout(&stream, &peer, None)?;
         let sender = PrefillSender {
             qp,
@@ -543,9 +625,9 @@ impl RdmaPrefillEndpoint {
         };
         let stop = Arc::new(AtomicBool::new(false));
         let link = DisconnectOnce::new(inbox);
-        let mut reader_stream = stream
-            .try_clone()
-            .map_err(|e| side_err(&peer, "clone socket", e))?;
+        // Decode's orders; prefill sends nothing on the side channel after
+        // the handshake (its messages go over the queue pair).
+        let mut reader_stream = side.reader;
         let reader_link = Arc::clone(&link);
         let reader_stop = Arc::clone(&stop);
         let reader_peer = peer.clone();
@@ -593,7 +675,8 @@ impl RdmaPrefillEndpoint {
 
 /// Connects to a decode node whose side channel listens at `addr`
 /// (retrying refused connections for up to `retry_for`, as
-/// [`super::tcp::connect`]) and runs the prefill handshake on `device`.
+/// [`super::tcp::connect`]) and runs the prefill handshake on `device`,
+/// authenticated with `auth` when given.
 /// Returns the link and the inbox decode's orders arrive in.
 ///
 /// # Errors
@@ -603,6 +686,7 @@ pub fn connect_prefill(
     addr: impl std::net::ToSocketAddrs + std::fmt::Display,
     retry_for: Duration,
     device: &Arc<RdmaDevice>,
+    auth: Option<&PeerKey>,
 ) -> Result<
     (
         RdmaPrefillEndpoint,
@@ -612,7 +696,10 @@ pub fn connect_prefill(
 > {
     let stream = super::tcp::connect(addr, retry_for)?;
     let (tx, rx) = crossbeam_channel::unbounded();
-    Ok((RdmaPrefillEndpoint::handshake(stream, device, tx)?, rx))
+    Ok((
+        RdmaPrefillEndpoint::handshake(stream, device, tx, auth)?,
+        rx,
+    ))
 }
 
 impl Link<ToDecode> for RdmaPrefillEndpoint {
