@@ -135,3 +135,57 @@ fn a_bad_kvsan_options_refuses_to_attach_loudly_and_the_program_runs_on() {
     // Nothing was shadowed, so there is no summary.
     assert!(!stderr.contains("violations"), "{stderr}");
 }
+
+/// A C engine's prefix cache: `kvsan_share` follows `prefix_share` (the
+/// default `tenant`, and `salt` with `kvsan_declare_salt`), refusing a
+/// share across the policy's line and one of a page not yet filled.
+#[test]
+fn a_c_prefix_cache_shares_only_what_the_policy_allows_and_only_full_pages() {
+    let exe = shim_common::compile_c(
+        &shim_common::repo().join("shim/tests/c/prefix_share.c"),
+        "prefix_share",
+    );
+    for (policy, expected) in [
+        (
+            "tenant",
+            &[
+                "same tenant: continue",
+                "same tenant reads the shared page: continue",
+                "other tenant: cross-domain-share",
+                "half-written page: unwritten-share",
+                "violations: 2",
+            ][..],
+        ),
+        (
+            "salt",
+            &[
+                "other tenant, same salt: continue",
+                "same tenant, other salt: cross-domain-share",
+                "violations: 1",
+            ][..],
+        ),
+    ] {
+        let out = Command::new(&exe)
+            .arg(policy)
+            .env("KVSAN_OPTIONS", format!("prefix_share={policy}"))
+            .output()
+            .expect("run the prefix-share program");
+        let (stdout, stderr) = shim_common::texts(&out);
+        assert!(out.status.success(), "{policy}: {stdout}\n{stderr}");
+        for line in expected {
+            assert!(
+                stdout.contains(line),
+                "{policy}: missing {line:?}\n{stdout}"
+            );
+        }
+        // The reports name the kind and never a salt.
+        assert!(
+            stderr.contains("kvsan: ERROR: cross-domain-share"),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("5eed") && !stderr.contains("24301"),
+            "{stderr}"
+        );
+    }
+}

@@ -220,6 +220,13 @@ macro_rules! for_each_hook {
                 table -,
                 export(kvsan_share, verdict),
                 engine -;
+
+            /// `owner` declares its cache salt (hashed; 0: none) before it
+            /// takes pages, for `prefix_share=salt`.
+            DeclareSalt = declare_salt(owner: KvsanOwner, salt: u64) => CrossDomainShare,
+                table -,
+                export(kvsan_declare_salt, verdict),
+                engine -;
         }
     };
 

@@ -59,7 +59,7 @@ pub use hooks::Hook;
 pub use ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId, TenantId};
 pub use kernel_shadow::{AccessOp, Check, KernelAccess, KernelShadow};
 pub use lifecycle::{RequestEvent, RequestState, Scope, Transition};
-pub use options::{OnViolation, Options, ReportFormat};
+pub use options::{OnViolation, Options, ReportFormat, SharePolicy};
 pub use report::{PageReport, Report, ReportBuffer};
 pub use sanitizer::{MAX_POOLS, PageInfo, Sanitizer};
 pub use shadow::PageState;

@@ -144,6 +144,8 @@ pub(crate) struct View {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct RequestRecord {
     pub(crate) tenant: TenantId,
+    /// The cache salt the request declared (0: none).
+    pub(crate) salt: u64,
     pub(crate) views: Vec<View>,
     held: Vec<(PoolId, u64)>,
 }
@@ -152,6 +154,7 @@ impl RequestRecord {
     pub(crate) fn new(tenant: TenantId) -> RequestRecord {
         RequestRecord {
             tenant,
+            salt: 0,
             views: Vec::with_capacity(2),
             held: Vec::with_capacity(2),
         }
@@ -280,6 +283,11 @@ impl Lifecycle {
             Some(rec) => f(&rec),
             None => self.ended.lock().records.get(&id).and_then(f),
         }
+    }
+
+    /// The cache salt `id` declared (0: none, or not known).
+    pub(crate) fn salt(&self, id: RequestId) -> u64 {
+        self.read(id, |r| Some(r.salt)).unwrap_or(0)
     }
 
     /// The request's state as reports show it, if known.

@@ -63,7 +63,25 @@ macro_rules! keyword_option {
     };
 }
 
+/// Which requests the prefix cache may share a page with, as the engine's
+/// `--prefix-cache` policy says (vLLM's automatic prefix caching is
+/// `salt`; SGLang's radix cache `global`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SharePolicy {
+    /// No sharing: every share is a violation.
+    Off,
+    /// Only requests of the tenant whose request wrote the page.
+    Tenant,
+    /// Only requests that declared the writer's cache salt
+    /// ([`crate::Sanitizer::declare_salt`]); requests without a salt share
+    /// among themselves, as vLLM's `cache_salt` does.
+    Salt,
+    /// Any request.
+    Global,
+}
+
 keyword_option!(OnViolation { Abort => "abort", Halt => "halt", Report => "report" });
+keyword_option!(SharePolicy { Off => "off", Tenant => "tenant", Salt => "salt", Global => "global" });
 keyword_option!(ReportFormat { Text => "text", Json => "json", Both => "both" });
 
 impl OptionValue for bool {
@@ -202,6 +220,8 @@ declare_options! {
         "Reports printed at most (0: no limit); counting goes on after the limit.";
     max_recorded: u32 = 1024,
         "Recent violations kept in memory for Sanitizer::violations (oldest dropped first).";
+    prefix_share: SharePolicy = SharePolicy::Tenant,
+        "Which requests the prefix cache may share a page with: `off` none, `tenant` the writer's tenant, `salt` requests that declared the writer's cache salt (unsalted ones share among themselves), `global` any.";
     ended_requests: u32 = 65_536,
         "Ended requests remembered (their final states), so activity after a request's end is still caught; older ones are forgotten and the sanitizer's memory does not grow with the requests served.";
 }

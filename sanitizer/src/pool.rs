@@ -24,6 +24,9 @@ pub(crate) struct ShadowPool {
     counters: KernelCounters,
     /// Read-only sharers per page: (sharer, references held).
     sharers: Mutex<HashMap<u32, Vec<(Owner, u32)>>>,
+    /// The cache salt each page's owner declared when it took the page
+    /// (0: none).
+    salts: Box<[AtomicU64]>,
     quarantine: Mutex<VecDeque<(PageId, Generation)>>,
     quarantine_cap: usize,
 }
@@ -49,6 +52,7 @@ impl ShadowPool {
                 .collect(),
             counters: KernelCounters::default(),
             sharers: Mutex::new(HashMap::new()),
+            salts: (0..pages).map(|_| AtomicU64::new(0)).collect(),
             quarantine: Mutex::new(VecDeque::new()),
             quarantine_cap: quarantine_pages as usize,
             geometry,
@@ -60,6 +64,7 @@ impl ShadowPool {
         std::mem::size_of::<PageShadow>()
             + BitLayout::new(page_slots, layers).stride * std::mem::size_of::<u64>()
             + PageHistory::bytes_per_page(history_depth)
+            + std::mem::size_of::<u64>()
     }
 
     #[inline(always)]
@@ -125,6 +130,16 @@ impl ShadowPool {
 
     pub(crate) fn history(&self, page: PageId) -> Vec<crate::history::HistoryEvent> {
         self.history[page.0 as usize].snapshot()
+    }
+
+    /// Pages are checked in range before this is called.
+    pub(crate) fn set_salt(&self, page: PageId, salt: u64) {
+        self.salts[page.0 as usize].store(salt, crate::sync::Ordering::Relaxed);
+    }
+
+    /// Pages are checked in range before this is called.
+    pub(crate) fn salt_of(&self, page: PageId) -> u64 {
+        self.salts[page.0 as usize].load(crate::sync::Ordering::Relaxed)
     }
 
     pub(crate) fn is_sharer(&self, page: PageId, who: RequestId) -> bool {

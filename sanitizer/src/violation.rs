@@ -36,6 +36,8 @@ macro_rules! for_each_violation_kind {
             PageLeak = 13 => "page-leak", "a request ends while it still holds pages";
             IllegalTransition = 14 => "illegal-transition", "a lifecycle event that is not a legal transition from the request's state";
             PoisonRead = 15 => "poison-read", "the poison a freed page is filled with reached attention output, through a slot the shadow holds written";
+            CrossDomainShare = 16 => "cross-domain-share", "the prefix cache shares a page with a request the isolation policy keeps apart from the page's writer";
+            UnwrittenShare = 17 => "unwritten-share", "the prefix cache shares a page before its owner wrote every slot of every layer of it";
         }
     };
 }
@@ -286,6 +288,8 @@ mod tests {
             ("page-leak", 13),
             ("illegal-transition", 14),
             ("poison-read", 15),
+            ("cross-domain-share", 16),
+            ("unwritten-share", 17),
         ];
         assert_eq!(
             frozen.len(),
@@ -297,7 +301,7 @@ mod tests {
             assert_eq!(kind.code(), code, "{name}'s ABI code changed");
             assert_eq!(ViolationKind::from_code(code), Some(kind));
         }
-        assert_eq!(ViolationKind::from_code(16), None);
+        assert_eq!(ViolationKind::from_code(18), None);
     }
 
     #[test]

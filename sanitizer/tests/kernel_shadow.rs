@@ -133,8 +133,8 @@ fn reading_a_page_held_by_a_request_that_ended_is_refused_as_terminal_activity()
 #[test]
 fn a_sharers_read_is_arbitrated_and_passes_on_the_cold_path_without_a_report() {
     let f = fixture();
-    let page = f.alloc(f.decode, 3, B, 1);
-    f.write_all(f.decode, B, page, 0..SLOTS, 2);
+    let page = f.alloc(f.decode, 3, A2, 1);
+    f.write_all(f.decode, A2, page, 0..SLOTS, 2);
     assert!(f.san.share(f.decode, page, A).unwrap().is_continue());
     let shadow = f.san.kernel_shadow(f.decode).unwrap();
     assert_eq!(shadow.check_read(A.request, page, 0, 4), Check::Arbitrate);

@@ -343,6 +343,12 @@ impl Model {
                 if p.free() {
                     return Some(K::ReadFreePage);
                 }
+                if p.st == St::Receiving {
+                    return Some(K::ReadDuringTransfer);
+                }
+                if p.unwritten(0..SLOTS, &(0..LAYERS)) {
+                    return Some(K::UnwrittenShare);
+                }
                 match p.sharers.iter_mut().find(|(s, _)| s == r) {
                     Some((_, n)) => *n += 1,
                     None => p.sharers.push((*r, 1)),
@@ -634,7 +640,9 @@ proptest! {
 
     #[test]
     fn sanitizer_and_reference_model_agree_on_every_verdict(ops in prop::collection::vec(op(), 1..60)) {
-        let options = Options::parse(&format!("quarantine_pages={QUARANTINE}:print_limit=0:history_depth=2")).unwrap();
+        // Every request is its own tenant: the model leaves the isolation
+        // policy to the unit tests and shares under `global`.
+        let options = Options::parse(&format!("quarantine_pages={QUARANTINE}:print_limit=0:history_depth=2:prefix_share=global")).unwrap();
         let san = Sanitizer::with_writer(options, std::io::sink());
         let geometry = |role, node: &str| PoolGeometry {
             pages: PAGES,

@@ -108,7 +108,7 @@ fn owner_and_sharers_letting_go_at_once_release_the_page_exactly_at_the_last() {
     let f = fixture_with("print_limit=1");
     let owner = Owner::new(1, 1);
     let sharers: Vec<Owner> = (0..THREADS as u64 - 1)
-        .map(|i| Owner::new(10 + i, 2))
+        .map(|i| Owner::new(10 + i, 1))
         .collect();
     for round in 0..200 {
         let page = f.alloc(f.decode, 2, owner, round);

@@ -98,8 +98,8 @@ fn reading_another_requests_page_is_foreign_read() {
 fn reading_a_page_shared_by_the_prefix_cache_passes() {
     let f = fixture();
     let page = written_page(&f);
-    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
-    let v = f.san.read(f.decode, B, &[page], 16, ALL, 3).unwrap();
+    assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
+    let v = f.san.read(f.decode, A2, &[page], 16, ALL, 3).unwrap();
     assert_clean(&f, v);
 }
 
@@ -158,6 +158,119 @@ fn reading_before_the_free_passes() {
     f.free(f.decode, A, page, 4);
 }
 
+// ------------------------------------------------------- cross-domain-share
+
+/// `prefix_share=tenant` (the default): request 7 of tenant 2 is handed a
+/// page request 4 of tenant 1 filled.
+#[test]
+fn sharing_a_page_across_tenants_is_cross_domain_share() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.share(f.decode, page, B).unwrap();
+    assert_provoked(&f, v, ViolationKind::CrossDomainShare);
+    let info = f.san.page_info(f.decode, page.page).unwrap();
+    assert!(!info.shared, "a refused share adds no sharer");
+    assert_eq!(
+        f.san.read(f.decode, B, &[page], 16, ALL, 4).unwrap().kind(),
+        Some(ViolationKind::ForeignRead),
+        "nor does it let the sharer read"
+    );
+}
+
+#[test]
+fn sharing_a_page_within_its_tenant_passes() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.share(f.decode, page, A2).unwrap();
+    assert_clean(&f, v);
+}
+
+#[test]
+fn under_the_salt_policy_only_the_writers_salt_shares() {
+    let f = fixture_with("prefix_share=salt");
+    // Salts are declared before the pages are taken.
+    f.san.declare_salt(A, 0xfeed);
+    f.san.declare_salt(A2, 0xbeef);
+    f.san.declare_salt(B, 0xfeed);
+    let page = written_page(&f);
+    // Another tenant with the same salt shares, as vLLM's cache_salt does.
+    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
+    // The writer's own tenant with another salt does not.
+    let v = f.san.share(f.decode, page, A2).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
+    let text = f.out.text();
+    assert!(text.contains("different salts"), "{text}");
+    assert!(
+        !text.contains("feed") && !text.contains("beef") && !text.contains("65261"),
+        "a report never shows a salt: {text}"
+    );
+    // A request without a salt does not share a salted page.
+    let c = kvsan_sanitizer::Owner::new(12, 3);
+    let v = f.san.share(f.decode, page, c).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
+}
+
+#[test]
+fn under_the_global_policy_any_request_shares_and_under_off_none_does() {
+    let f = fixture_with("prefix_share=global");
+    let page = written_page(&f);
+    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
+    assert_eq!(f.san.violation_count(), 0);
+
+    let f = fixture_with("prefix_share=off");
+    let page = written_page(&f);
+    let v = f.san.share(f.decode, page, A2).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
+    assert!(
+        f.out.text().contains("prefix_share=off"),
+        "{}",
+        f.out.text()
+    );
+}
+
+// ----------------------------------------------------------- unwritten-share
+
+/// vLLM #37152's shape: a page is handed to a second request before its
+/// owner's step wrote it (here: slots 0..10 of 16 written).
+#[test]
+fn sharing_a_page_its_owner_has_not_filled_is_unwritten_share() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 2, A, 1);
+    f.write_all(f.decode, A, page, 0..10, 2);
+    let v = f.san.share(f.decode, page, A2).unwrap();
+    assert_provoked(&f, v, ViolationKind::UnwrittenShare);
+}
+
+#[test]
+fn a_page_written_for_every_layer_but_one_is_unwritten_share_and_filled_it_passes() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 2, A, 1);
+    let v = f
+        .san
+        .write(f.decode, A, page, 0..SLOTS, 0..LAYERS - 1, 2)
+        .unwrap();
+    assert!(v.is_continue());
+    let v = f.san.share(f.decode, page, A2).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::UnwrittenShare));
+    let v = f
+        .san
+        .write(f.decode, A, page, 0..SLOTS, LAYERS - 1..LAYERS, 3)
+        .unwrap();
+    assert!(v.is_continue());
+    assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
+}
+
+/// LMCache #4991's shape: a store (an incoming transfer) that has not
+/// completed must not be found by a lookup.
+#[test]
+fn sharing_a_page_whose_transfer_is_not_committed_is_read_during_transfer() {
+    let f = fixture();
+    let (dst, _) = received(&f);
+    let v = f.san.share(f.decode, dst, A2).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ReadDuringTransfer));
+    assert!(f.out.text().contains("not committed"), "{}", f.out.text());
+}
+
 // ------------------------------------------------------ read-during-transfer
 
 fn received(f: &Fixture) -> (PageRef, kvsan_sanitizer::Manifest) {
@@ -202,8 +315,8 @@ fn reading_after_the_commit_passes() {
 fn writing_into_a_shared_prefix_page_is_foreign_write() {
     let f = fixture();
     let page = written_page(&f);
-    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
-    let v = f.san.write(f.decode, B, page, 3..4, ALL, 3).unwrap();
+    assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
+    let v = f.san.write(f.decode, A2, page, 3..4, ALL, 3).unwrap();
     assert_provoked(&f, v, ViolationKind::ForeignWrite);
 }
 
@@ -325,18 +438,18 @@ fn freeing_through_a_stale_generation_is_double_free() {
 fn owner_and_sharer_each_freeing_once_passes_and_releases_at_the_last() {
     let f = fixture();
     let page = written_page(&f);
-    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
+    assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
     f.free(f.decode, A, page, 3);
     let info = f.san.page_info(f.decode, page.page).unwrap();
     assert_eq!(info.state, PageState::Owned, "a sharer still holds it");
     assert!(info.owner_released);
     assert!(
         f.san
-            .read(f.decode, B, &[page], 16, ALL, 4)
+            .read(f.decode, A2, &[page], 16, ALL, 4)
             .unwrap()
             .is_continue()
     );
-    f.free(f.decode, B, page, 5);
+    f.free(f.decode, A2, page, 5);
     assert_eq!(
         f.san.page_info(f.decode, page.page).unwrap().state,
         PageState::Quarantined
@@ -362,8 +475,8 @@ fn freeing_another_requests_page_is_foreign_free() {
 fn a_sharer_freeing_its_share_passes_and_the_owner_keeps_the_page() {
     let f = fixture();
     let page = written_page(&f);
-    assert!(f.san.share(f.decode, page, B).unwrap().is_continue());
-    f.free(f.decode, B, page, 3);
+    assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
+    f.free(f.decode, A2, page, 3);
     let info = f.san.page_info(f.decode, page.page).unwrap();
     assert_eq!(info.state, PageState::Owned);
     assert!(!info.shared && !info.owner_released);
@@ -522,7 +635,8 @@ fn finishing_after_freeing_every_page_and_share_passes() {
     let f = fixture();
     assert!(f.san.request_event(A, RequestEvent::Admitted).is_continue());
     let page = written_page(&f);
-    let other = f.alloc(f.decode, 6, B, 3);
+    let other = f.alloc(f.decode, 6, A2, 3);
+    f.write_all(f.decode, A2, other, 0..SLOTS, 3);
     assert!(f.san.share(f.decode, other, A).unwrap().is_continue());
     assert!(f.san.request_event(A, RequestEvent::Decoding).is_continue());
     f.free(f.decode, A, page, 4);

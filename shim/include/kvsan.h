@@ -98,6 +98,8 @@ extern "C" {
 #define KVSAN_KIND_PAGE_LEAK 13u
 #define KVSAN_KIND_ILLEGAL_TRANSITION 14u
 #define KVSAN_KIND_POISON_READ 15u
+#define KVSAN_KIND_CROSS_DOMAIN_SHARE 16u
+#define KVSAN_KIND_UNWRITTEN_SHARE 17u
 
 /* A request and the tenant it is billed to. 16 bytes. */
 typedef struct KvsanOwner {
@@ -284,6 +286,10 @@ int32_t kvsan_free(uint32_t pool, KvsanOwner owner, KvsanPageRef page, uint64_t 
 /* The prefix cache shares `page` read-only with `sharer`. */
 int32_t kvsan_share(uint32_t pool, KvsanPageRef page, KvsanOwner sharer,
                     KvsanVerdict *verdict_out);
+/* `owner` declares its cache salt (a hash of it; 0: none) before it takes
+ * pages: under KVSAN_OPTIONS=prefix_share=salt only requests that declared
+ * the same salt share a page. Reports never show a salt. */
+int32_t kvsan_declare_salt(KvsanOwner owner, uint64_t salt, KvsanVerdict *verdict_out);
 /* `owner` computed KV into slots x layers of `page`. */
 int32_t kvsan_write(uint32_t pool, KvsanOwner owner, KvsanPageRef page, KvsanRange slots,
                     KvsanRange layers, uint64_t step, KvsanVerdict *verdict_out);

@@ -292,6 +292,17 @@ pub(crate) fn share(
         .map_err(sanitizer_error(call))
 }
 
+/// `owner`'s cache salt, declared before it takes pages.
+pub(crate) fn declare_salt(
+    call: &'static str,
+    owner_in: KvsanOwner,
+    salt: u64,
+) -> Result<Verdict, ShimError> {
+    let who = owner(call, owner_in)?;
+    san()?.declare_salt(who, salt);
+    Ok(Verdict::Continue)
+}
+
 /// A write of `slots` × `layers`.
 pub(crate) fn write(
     call: &'static str,

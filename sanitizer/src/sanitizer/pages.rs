@@ -6,9 +6,10 @@ use crate::error::SanitizerError;
 use crate::history::{Event, EventKind};
 use crate::ids::{Generation, Owner, PageId, PageRef, PoolId};
 use crate::lifecycle::{RequestState, Scope};
+use crate::options::SharePolicy;
 use crate::pool::ShadowPool;
 use crate::shadow::{
-    AllocOutcome, FLAG_SHARED, FreeOutcome, Needed, PageView, ReadCheck, StateWord,
+    AllocOutcome, FLAG_SHARED, FreeOutcome, Needed, PageState, PageView, ReadCheck, StateWord,
 };
 use crate::violation::{Verdict, ViolationKind};
 use std::ops::Range;
@@ -39,9 +40,11 @@ impl Sanitizer {
             Some(state) => state,
             None => rec.view_mut(Scope::Process, RequestState::Admitted).state,
         };
+        let salt = rec.salt;
         let outcome = view.alloc(owner, state.is_terminal());
         drop(rec);
         if matches!(outcome, AllocOutcome::Allocated { .. }) {
+            shadow.set_salt(page, salt);
             self.lifecycle
                 .add_held(owner.request, owner.tenant, pool, 1);
         }
@@ -145,11 +148,25 @@ impl Sanitizer {
         Ok(Verdict::Continue)
     }
 
+    /// `owner` declares its cache salt (vLLM's `cache_salt`, hashed by the
+    /// caller; 0: none), before it takes pages: the pages it then takes
+    /// carry the salt, and under `prefix_share=salt` only a request that
+    /// declared the same salt may share them.
+    pub fn declare_salt(&self, owner: Owner, salt: u64) {
+        self.lifecycle.entry(owner.request, owner.tenant).salt = salt;
+    }
+
     /// The prefix cache shares `page` read-only with `sharer` (one more
     /// reference; the sharer frees it like an owner).
     ///
-    /// `terminal-request-activity` for a terminal sharer; `generation-mismatch`
-    /// or `read-free-page` if the page is not held at that generation.
+    /// In order: `terminal-request-activity` for a terminal sharer;
+    /// `read-during-transfer` if the page's incoming KV is not committed;
+    /// `cross-domain-share` if the `prefix_share` policy keeps the sharer
+    /// apart from the page's writer; `unwritten-share` if any slot of any
+    /// layer is unwritten (only full pages are shared: a partial last page
+    /// is copied or recomputed); `generation-mismatch` or `read-free-page`
+    /// if the page is not held at that generation. A violation adds no
+    /// sharer.
     ///
     /// # Errors
     /// Unknown pool or page out of range.
@@ -172,6 +189,9 @@ impl Sanitizer {
                         with_article(state.name())
                     )),
             ));
+        }
+        if let Some(finding) = self.share_refusal(shadow, view, page, sharer) {
+            return Ok(self.violation(finding.at(pool, page)));
         }
         match shadow.add_sharer(view, page, sharer) {
             Ok(()) => {
@@ -200,6 +220,71 @@ impl Sanitizer {
                 )
             }
         }
+    }
+
+    /// Why the page held at `page.generation` may not be shared with
+    /// `sharer`, if it may not. A page not held at that generation is left
+    /// to [`ShadowPool::add_sharer`]'s refusal.
+    fn share_refusal(
+        &self,
+        shadow: &ShadowPool,
+        view: PageView<'_>,
+        page: PageRef,
+        sharer: Owner,
+    ) -> Option<Finding> {
+        let word = view.rec.load();
+        if word.generation() != page.generation {
+            return None;
+        }
+        let refuse =
+            |kind, detail: String| Some(Finding::new(kind, sharer, "sharing").detail(detail));
+        match word.state() {
+            PageState::Receiving => {
+                return refuse(
+                    ViolationKind::ReadDuringTransfer,
+                    "the page's incoming KV is not committed: a failed or unfinished store must not be found by a lookup".into(),
+                );
+            }
+            PageState::Owned => {}
+            _ => return None,
+        }
+        let writer = view.rec.owner();
+        let apart = match self.options.prefix_share {
+            SharePolicy::Off => Some("prefix_share=off: no page is shared".to_string()),
+            SharePolicy::Global => None,
+            SharePolicy::Tenant => (writer.tenant != sharer.tenant).then(|| {
+                format!(
+                    "prefix_share=tenant: the page was written for tenant {}, the sharer is tenant {}",
+                    writer.tenant.0, sharer.tenant.0
+                )
+            }),
+            SharePolicy::Salt => {
+                let (theirs, mine) = (shadow.salt_of(page.page), self.lifecycle.salt(sharer.request));
+                (theirs != mine).then(|| {
+                    // Salts are secrets: the report never shows them.
+                    let what = match (theirs, mine) {
+                        (0, _) => "the page carries no salt, the sharer declared one",
+                        (_, 0) => "the page carries a salt, the sharer declared none",
+                        _ => "the page and the sharer carry different salts",
+                    };
+                    format!("prefix_share=salt: {what}")
+                })
+            }
+        };
+        if let Some(detail) = apart {
+            return refuse(ViolationKind::CrossDomainShare, detail);
+        }
+        let geometry = &shadow.geometry;
+        if let Some(slot) = view.first_unwritten(0..geometry.page_slots, &(0..geometry.layers)) {
+            return refuse(
+                ViolationKind::UnwrittenShare,
+                format!(
+                    "slot {slot} of {} is not written for every layer: only a page its owner filled may be shared",
+                    geometry.page_slots
+                ),
+            );
+        }
+        None
     }
 
     /// KV computed by `owner` into `slots × layers` of `page`.

@@ -54,6 +54,9 @@ pub fn fixture() -> Fixture {
 
 pub const A: Owner = Owner::new(4, 1);
 pub const B: Owner = Owner::new(7, 2);
+/// Another request of `A`'s tenant: the prefix cache may share `A`'s pages
+/// with it under the default policy (`prefix_share=tenant`).
+pub const A2: Owner = Owner::new(9, 1);
 
 impl Fixture {
     pub fn alloc(&self, pool: PoolId, page: u32, owner: Owner, step: u64) -> PageRef {

@@ -88,6 +88,11 @@ pub struct Args {
     /// Requests per SmolLM2 workload run.
     #[arg(long, default_value_t = 64)]
     pub requests: usize,
+    /// Kernel threads of each timed run (`KVSAN_THREADS`; default: one per
+    /// core). With 1, a run's CPU time is its work: no worker spins at a
+    /// barrier waiting for another that the machine's other load delayed.
+    #[arg(long, value_name = "N")]
+    pub threads: Option<std::num::NonZeroUsize>,
 }
 
 /// What `--count` measures.
@@ -305,6 +310,10 @@ fn prepare(args: &Args, variants: &[Variant]) -> anyhow::Result<Vec<Prepared>> {
                 variant.name(),
                 program.display()
             );
+        }
+        let mut env = env;
+        if let Some(n) = args.threads {
+            env.push(("KVSAN_THREADS".to_string(), n.to_string().into()));
         }
         prepared.push(Prepared {
             variant,
@@ -913,6 +922,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if let Some(t) = &timed {
         doc["rounds"] = json!(t.rounds);
         doc["budget_s"] = json!(args.budget);
+        doc["threads"] = json!(args.threads);
         doc["workloads"] = json!(describe(&t.workloads));
         doc["variants"] = json!(t.variants);
         doc["ratios"] = json!(t.ratios);
