@@ -189,3 +189,34 @@ fn a_c_prefix_cache_shares_only_what_the_policy_allows_and_only_full_pages() {
         );
     }
 }
+
+/// The batch checks over kernel argument buffers, in C: each layout passes
+/// as built, and a wrong row, length, stride and slot are caught in the row
+/// they hit; buffers a kernel could not use are refused naming the row.
+#[test]
+fn batch_checks_over_kernel_buffers_catch_a_wrong_row_length_stride_and_slot() {
+    let exe = shim_common::compile_c(
+        &shim_common::repo().join("shim/tests/c/batch_checks.c"),
+        "batch_checks",
+    );
+    let out = Command::new(&exe)
+        .env_remove("KVSAN_OPTIONS")
+        .output()
+        .expect("run the batch-check program");
+    let (stdout, stderr) = shim_common::texts(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for line in [
+        "block table: continue, continue",
+        "block table, rows swapped: foreign-read, foreign-read",
+        "block table, length past what row 0 wrote: stale-read, continue",
+        "block table, wrong stride: continue, foreign-read",
+        "paged CSR, last page longer than written: continue, stale-read",
+        "req_to_token, a slot never written: stale-read, continue",
+        "slot_mapping, into A's page 0: continue, foreign-write",
+        "block table, a page freed since: read-free-page, continue",
+    ] {
+        assert!(stdout.contains(line), "missing {line:?}\n{stdout}");
+    }
+    assert!(stdout.contains("violations: 12"), "{stdout}");
+    assert_eq!(stderr.matches("kvsan: ERROR:").count(), 12, "{stderr}");
+}

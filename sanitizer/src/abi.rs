@@ -804,7 +804,8 @@ pub const fn status_of(error: &SanitizerError) -> AbiStatus {
         SanitizerError::PageOutOfRange { .. }
         | SanitizerError::SlotOutOfRange { .. }
         | SanitizerError::LayerOutOfRange { .. }
-        | SanitizerError::TokensBeyondTable { .. } => KVSAN_ERR_OUT_OF_RANGE,
+        | SanitizerError::TokensBeyondTable { .. }
+        | SanitizerError::BadBatch { .. } => KVSAN_ERR_OUT_OF_RANGE,
         SanitizerError::BadGeometry { .. } => KVSAN_ERR_BAD_GEOMETRY,
         SanitizerError::UnknownOption { .. }
         | SanitizerError::BadOptionValue { .. }

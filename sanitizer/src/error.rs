@@ -109,6 +109,17 @@ pub enum SanitizerError {
         /// The item.
         item: String,
     },
+    /// A kernel argument buffer a kernel could not use as given
+    /// ([`crate::Sanitizer::check_block_table`] and the other batch checks).
+    #[error("{layout} batch, row {row}: {what}")]
+    BadBatch {
+        /// The buffer layout (`block table`, `paged CSR`, …).
+        layout: &'static str,
+        /// The row (0 for an array of the wrong length).
+        row: usize,
+        /// What is wrong, with the values and the limit.
+        what: String,
+    },
     /// The report log file could not be opened.
     #[error("cannot open kvsan log file {path}")]
     LogFile {

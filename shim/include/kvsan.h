@@ -308,6 +308,44 @@ int32_t kvsan_kernel_shadow(uint32_t pool, KvsanKernelShadow *out, size_t out_si
 int32_t kvsan_kernel_refusal(uint32_t pool, KvsanOwner owner, const KvsanKernelAccess *access,
                              size_t access_size, uint64_t step, KvsanVerdict *verdict_out);
 
+/* ---- batch checks over the kernels' own argument buffers ------------------ */
+/* An engine that cannot change its attention or store kernel passes the
+ * buffers it hands the kernel, with each row's request, just before the
+ * launch. Each entry is checked where the kernel reads it (a row longer than
+ * its stride reads the next row's entries), a page index at the page's
+ * current generation. One verdict per row goes to verdicts_out[0..rows].
+ * A buffer the kernel could not use (an index outside the buffer or the
+ * pool, a negative length, offsets going backwards) is
+ * KVSAN_ERR_OUT_OF_RANGE, its message naming the row; no verdict is written. */
+
+/* Padded block table (vLLM, FlashAttention): row r reads seq_lens[r] tokens
+ * through block_table[r * stride ...] (page indices). */
+int32_t kvsan_check_block_table(uint32_t pool, const KvsanOwner *owners, size_t rows,
+                                const int32_t *block_table, size_t table_len, size_t stride,
+                                const int32_t *seq_lens, KvsanRange layers, uint64_t step,
+                                KvsanVerdict *verdicts_out);
+/* Pages in CSR form (FlashInfer): row r reads pages
+ * indices[indptr[r] .. indptr[r + 1]], full but the last, which holds
+ * last_page_len[r] tokens. indptr has rows + 1 entries, indices nnz. */
+int32_t kvsan_check_paged_csr(uint32_t pool, const KvsanOwner *owners, size_t rows,
+                              const int32_t *indptr, const int32_t *indices, size_t nnz,
+                              const int32_t *last_page_len, KvsanRange layers, uint64_t step,
+                              KvsanVerdict *verdicts_out);
+/* Token-level table (SGLang): row r reads seq_lens[r] tokens at locations
+ * req_to_token[req_indices[r] * stride + t] = page * page_slots + slot. */
+int32_t kvsan_check_req_to_token(uint32_t pool, const KvsanOwner *owners, size_t rows,
+                                 const int32_t *req_to_token, size_t table_len, size_t stride,
+                                 const int32_t *req_indices, const int32_t *seq_lens,
+                                 KvsanRange layers, uint64_t step, KvsanVerdict *verdicts_out);
+/* Store slots (vLLM's reshape_and_cache): tokens query_start_loc[r] ..
+ * query_start_loc[r + 1] are row r's; token t stores at location
+ * slot_mapping[t] (page * page_slots + slot; -1 is padding). Each slot
+ * stored is checked as kvsan_write and recorded written. */
+int32_t kvsan_check_slot_mapping(uint32_t pool, const KvsanOwner *owners, size_t rows,
+                                 const int32_t *query_start_loc, const int64_t *slot_mapping,
+                                 size_t tokens, KvsanRange layers, uint64_t step,
+                                 KvsanVerdict *verdicts_out);
+
 /* ---- transfers (disaggregated prefill -> decode) -------------------------- */
 
 /* manifest_size = sizeof(KvsanManifest). `pool` is the caller's side. */

@@ -427,3 +427,193 @@ pub extern "C" fn kvsan_status_name(status: AbiStatus) -> *const c_char {
     })
     .unwrap_or(std::ptr::null())
 }
+
+/// Runs batch check `body` and writes its verdicts, one per row, to
+/// `verdicts_out[0..rows]`.
+///
+/// # Safety
+/// - `verdicts_out` is null or writable for `rows` `KvsanVerdict`s.
+unsafe fn batch(
+    call: &'static str,
+    rows: usize,
+    verdicts_out: *mut KvsanVerdict,
+    body: impl FnOnce() -> Result<Vec<Verdict>, ShimError>,
+) -> AbiStatus {
+    status(call, || {
+        if rows > 0 && verdicts_out.is_null() {
+            return Err(null(call, "verdicts_out"));
+        }
+        let verdicts = body()?;
+        for (i, v) in verdicts.into_iter().enumerate().take(rows) {
+            // SAFETY: `i < rows`; writable by the caller's contract;
+            // unaligned-safe.
+            unsafe { verdicts_out.add(i).write_unaligned(v.into()) };
+        }
+        Ok(())
+    })
+}
+
+/// Checks an attention launch over a padded block table (vLLM,
+/// FlashAttention): row `r`, of request `owners[r]`, reads `seq_lens[r]`
+/// tokens through `block_table[r * stride ...]`. Writes one verdict per row.
+///
+/// # Safety
+/// - `owners`, `seq_lens` and `verdicts_out` hold `rows` entries and
+///   `block_table` `table_len` (each may be null when its length is 0).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_block_table(
+    pool: u32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    block_table: *const i32,
+    table_len: usize,
+    stride: usize,
+    seq_lens: *const i32,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_block_table";
+    let arrays = calls::BatchArrays { owners, rows };
+    // SAFETY: the caller's contract on every pointer.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_block_table(
+                CALL,
+                pool,
+                arrays,
+                block_table,
+                table_len,
+                stride,
+                seq_lens,
+                layers,
+                step,
+            )
+        })
+    }
+}
+
+/// Checks an attention launch over pages in CSR form (FlashInfer): row `r`
+/// reads pages `indices[indptr[r] .. indptr[r + 1]]`, full but the last,
+/// which holds `last_page_len[r]` tokens. Writes one verdict per row.
+///
+/// # Safety
+/// - `owners`, `last_page_len` and `verdicts_out` hold `rows` entries,
+///   `indptr` `rows + 1` and `indices` `nnz`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_paged_csr(
+    pool: u32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    indptr: *const i32,
+    indices: *const i32,
+    nnz: usize,
+    last_page_len: *const i32,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_paged_csr";
+    let arrays = calls::BatchArrays { owners, rows };
+    // SAFETY: the caller's contract on every pointer.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_paged_csr(
+                CALL,
+                pool,
+                arrays,
+                indptr,
+                indices,
+                nnz,
+                last_page_len,
+                layers,
+                step,
+            )
+        })
+    }
+}
+
+/// Checks an attention launch over a token-level table (SGLang): row `r`
+/// reads `seq_lens[r]` tokens at locations `req_to_token[req_indices[r] *
+/// stride ...]` (page * page_slots + slot). Writes one verdict per row.
+///
+/// # Safety
+/// - `owners`, `req_indices`, `seq_lens` and `verdicts_out` hold `rows`
+///   entries and `req_to_token` `table_len`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_req_to_token(
+    pool: u32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    req_to_token: *const i32,
+    table_len: usize,
+    stride: usize,
+    req_indices: *const i32,
+    seq_lens: *const i32,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_req_to_token";
+    let arrays = calls::BatchArrays { owners, rows };
+    // SAFETY: the caller's contract on every pointer.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_req_to_token(
+                CALL,
+                pool,
+                arrays,
+                req_to_token,
+                table_len,
+                stride,
+                req_indices,
+                seq_lens,
+                layers,
+                step,
+            )
+        })
+    }
+}
+
+/// Checks a store launch: the tokens `query_start_loc[r] .. [r + 1]` are
+/// row `r`'s and token `t` stores its KV at location `slot_mapping[t]`
+/// (page * page_slots + slot; -1 is padding). Each slot stored is recorded
+/// written. Writes one verdict per row.
+///
+/// # Safety
+/// - `owners` and `verdicts_out` hold `rows` entries, `query_start_loc`
+///   `rows + 1` and `slot_mapping` `tokens`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_slot_mapping(
+    pool: u32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    query_start_loc: *const i32,
+    slot_mapping: *const i64,
+    tokens: usize,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_slot_mapping";
+    let arrays = calls::BatchArrays { owners, rows };
+    // SAFETY: the caller's contract on every pointer.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_slot_mapping(
+                CALL,
+                pool,
+                arrays,
+                query_start_loc,
+                slot_mapping,
+                tokens,
+                layers,
+                step,
+            )
+        })
+    }
+}

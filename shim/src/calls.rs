@@ -65,6 +65,194 @@ fn check_array<T>(
     Ok(())
 }
 
+/// The C array `ptr[0..len]`.
+///
+/// # Safety
+/// - `ptr` is null, or points to `len` readable `T`s that stay unchanged
+///   for `'a`.
+unsafe fn slice<'a, T>(
+    call: &'static str,
+    argument: &'static str,
+    ptr: *const T,
+    len: usize,
+) -> Result<&'a [T], ShimError> {
+    check_array(call, argument, ptr, len)?;
+    if len == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: non-null and aligned (checked), `len` readable elements (the
+    // caller's contract).
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// The row owners of a batch, each checked as [`owner`] checks one.
+///
+/// # Safety
+/// - as [`slice`] for `rows` owners.
+unsafe fn row_owners(
+    call: &'static str,
+    owners: *const KvsanOwner,
+    rows: usize,
+) -> Result<Vec<Owner>, ShimError> {
+    // SAFETY: the caller's contract on `owners`.
+    let given = unsafe { slice(call, "owners", owners, rows) }?;
+    given.iter().map(|&o| owner(call, o)).collect()
+}
+
+/// A batch check's arrays, as the kernels take them.
+pub(crate) struct BatchArrays {
+    pub owners: *const KvsanOwner,
+    pub rows: usize,
+}
+
+/// Attention over a padded block table (`kvsan_check_block_table`).
+///
+/// # Safety
+/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn check_block_table(
+    call: &'static str,
+    pool: u32,
+    rows: BatchArrays,
+    block_table: *const i32,
+    table_len: usize,
+    stride: usize,
+    seq_lens: *const i32,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    // SAFETY: the caller's contract on every pointer.
+    let (owners, table, lens) = unsafe {
+        (
+            row_owners(call, rows.owners, rows.rows)?,
+            slice(call, "block_table", block_table, table_len)?,
+            slice(call, "seq_lens", seq_lens, rows.rows)?,
+        )
+    };
+    san()?
+        .check_block_table(
+            PoolId(pool),
+            &owners,
+            table,
+            stride,
+            lens,
+            range(layers),
+            step,
+        )
+        .map_err(sanitizer_error(call))
+}
+
+/// Attention over pages in CSR form (`kvsan_check_paged_csr`).
+///
+/// # Safety
+/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn check_paged_csr(
+    call: &'static str,
+    pool: u32,
+    rows: BatchArrays,
+    indptr: *const i32,
+    indices: *const i32,
+    nnz: usize,
+    last_page_len: *const i32,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    // SAFETY: the caller's contract on every pointer.
+    let (owners, indptr, indices, last) = unsafe {
+        (
+            row_owners(call, rows.owners, rows.rows)?,
+            slice(call, "indptr", indptr, rows.rows.saturating_add(1))?,
+            slice(call, "indices", indices, nnz)?,
+            slice(call, "last_page_len", last_page_len, rows.rows)?,
+        )
+    };
+    san()?
+        .check_paged_csr(
+            PoolId(pool),
+            &owners,
+            indptr,
+            indices,
+            last,
+            range(layers),
+            step,
+        )
+        .map_err(sanitizer_error(call))
+}
+
+/// Attention over a token-level table (`kvsan_check_req_to_token`).
+///
+/// # Safety
+/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn check_req_to_token(
+    call: &'static str,
+    pool: u32,
+    rows: BatchArrays,
+    req_to_token: *const i32,
+    table_len: usize,
+    stride: usize,
+    req_indices: *const i32,
+    seq_lens: *const i32,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    // SAFETY: the caller's contract on every pointer.
+    let (owners, table, reqs, lens) = unsafe {
+        (
+            row_owners(call, rows.owners, rows.rows)?,
+            slice(call, "req_to_token", req_to_token, table_len)?,
+            slice(call, "req_indices", req_indices, rows.rows)?,
+            slice(call, "seq_lens", seq_lens, rows.rows)?,
+        )
+    };
+    san()?
+        .check_req_to_token(
+            PoolId(pool),
+            &owners,
+            table,
+            stride,
+            reqs,
+            lens,
+            range(layers),
+            step,
+        )
+        .map_err(sanitizer_error(call))
+}
+
+/// A store kernel's slots (`kvsan_check_slot_mapping`).
+///
+/// # Safety
+/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn check_slot_mapping(
+    call: &'static str,
+    pool: u32,
+    rows: BatchArrays,
+    query_start_loc: *const i32,
+    slot_mapping: *const i64,
+    tokens: usize,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    // SAFETY: the caller's contract on every pointer.
+    let (owners, starts, slots) = unsafe {
+        (
+            row_owners(call, rows.owners, rows.rows)?,
+            slice(
+                call,
+                "query_start_loc",
+                query_start_loc,
+                rows.rows.saturating_add(1),
+            )?,
+            slice(call, "slot_mapping", slot_mapping, tokens)?,
+        )
+    };
+    san()?
+        .check_slot_mapping(PoolId(pool), &owners, starts, slots, range(layers), step)
+        .map_err(sanitizer_error(call))
+}
+
 /// A C block table as the sanitizer's `PageRef`s (one layout, asserted in
 /// `kvsan_sanitizer::abi`).
 ///

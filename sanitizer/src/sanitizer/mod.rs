@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+mod batch;
 mod events;
 mod finding;
 mod kernel;

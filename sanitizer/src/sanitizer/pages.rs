@@ -398,17 +398,8 @@ impl Sanitizer {
         Self::check_capacity(shadow, block_table.len(), tokens as u64)?;
         let ps = shadow.geometry.page_slots as usize;
         self.checks.read(tokens.div_ceil(ps) as u64);
-        if let Some(state) = self.lifecycle.state_at(owner.request, pool)
-            && state.is_terminal()
-        {
-            return Ok(self.violation(
-                Finding::new(ViolationKind::TerminalRequestActivity, owner, "reading")
-                    .step(Some(step))
-                    .detail(format!(
-                        "{} request reads {tokens} tokens of KV",
-                        with_article(state.name())
-                    )),
-            ));
+        if let Some(verdict) = self.terminal_reader(pool, owner, tokens, step) {
+            return Ok(verdict);
         }
         // What a whole page needs, worked out once; the last page may be partial.
         let whole = shadow.layout.needed(0..ps as u32, &layers);
@@ -435,6 +426,28 @@ impl Sanitizer {
             }
         }
         Ok(Verdict::Continue)
+    }
+
+    /// `terminal-request-activity` when `owner` has ended in `pool`'s view
+    /// and reads `tokens` tokens of KV.
+    pub(super) fn terminal_reader(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        tokens: usize,
+        step: u64,
+    ) -> Option<Verdict> {
+        let state = self.lifecycle.state_at(owner.request, pool)?;
+        state.is_terminal().then(|| {
+            self.violation(
+                Finding::new(ViolationKind::TerminalRequestActivity, owner, "reading")
+                    .step(Some(step))
+                    .detail(format!(
+                        "{} request reads {tokens} tokens of KV",
+                        with_article(state.name())
+                    )),
+            )
+        })
     }
 
     /// The read check of one page, `slots` of `layers`, by `owner` through

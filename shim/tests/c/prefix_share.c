@@ -16,21 +16,11 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "check.h"
 #include "kvsan.h"
 
 #define SLOTS 4
 #define LAYERS 2
-
-static int failures = 0;
-
-static void ok(int32_t status, const char *what) {
-    if (status != KVSAN_OK) {
-        char msg[512];
-        kvsan_last_error(msg, sizeof msg);
-        printf("%s: %s: %s\n", what, kvsan_status_name(status), msg);
-        failures++;
-    }
-}
 
 static void expect(const char *what, KvsanVerdict v, const char *kind) {
     const char *got = v.code == KVSAN_VERDICT_CONTINUE ? "continue"
