@@ -1,0 +1,175 @@
+"""The C ABI of the kvsan shim (``shim/include/kvsan.h``): structs, codes,
+and the library with every function's signature declared."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char,
+    c_char_p,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint32,
+    c_uint64,
+)
+from pathlib import Path
+
+ABI_VERSION_MAJOR = 1
+ABI_VERSION_MINOR = 1
+ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
+KVSAN_OK = 0
+KVSAN_ERR_OUT_OF_RANGE_NAME = "KVSAN_ERR_OUT_OF_RANGE"
+VERDICT_CONTINUE = 0
+VERDICT_ABORT = 1
+
+ROLES = {"unified": 0, "prefill": 1, "decode": 2}
+EVENTS = {
+    "queued": 0,
+    "admitted": 1,
+    "prefilling": 2,
+    "transferring": 3,
+    "decoding": 4,
+    "finished": 5,
+    "rejected": 6,
+    "aborted": 7,
+}
+
+
+class Owner(Structure):
+    """A request and the tenant it is billed to."""
+
+    _fields_ = [("request", c_uint64), ("tenant", c_uint32), ("reserved", c_uint32)]
+
+    def __init__(self, request: int, tenant: int = 0) -> None:
+        super().__init__(request, tenant, 0)
+
+    def __repr__(self) -> str:
+        return f"Owner(request={self.request}, tenant={self.tenant})"
+
+
+class PageRef(Structure):
+    """A block-table entry: page index and the generation it was taken at."""
+
+    _fields_ = [("page", c_uint32), ("generation", c_uint32)]
+
+    def __repr__(self) -> str:
+        return f"PageRef(page={self.page}, generation={self.generation})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, PageRef)
+            and (self.page, self.generation) == (other.page, other.generation)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.page, self.generation))
+
+
+class CRange(Structure):
+    _fields_ = [("start", c_uint32), ("end", c_uint32)]
+
+
+class PoolGeometry(Structure):
+    _fields_ = [
+        ("pages", c_uint32),
+        ("page_slots", c_uint32),
+        ("layers", c_uint32),
+        ("role", c_uint32),
+        ("bytes_per_slot", c_uint64),
+        ("node", c_char_p),
+        ("node_len", c_size_t),
+    ]
+
+
+class CVerdict(Structure):
+    _fields_ = [("code", c_uint32), ("kind", c_uint32), ("violation_id", c_uint64)]
+
+
+_V = POINTER(CVerdict)
+_I32 = POINTER(c_int32)
+SIGNATURES = {
+    "kvsan_abi_version": (c_uint32, []),
+    "kvsan_check_version": (c_int32, [c_uint32]),
+    "kvsan_attached": (c_int32, []),
+    "kvsan_pool_register": (c_int32, [POINTER(PoolGeometry), c_size_t, POINTER(c_uint32)]),
+    "kvsan_request_event": (c_int32, [Owner, c_uint32, _V]),
+    "kvsan_request_event_at": (c_int32, [c_uint32, Owner, c_uint32, _V]),
+    "kvsan_alloc": (c_int32, [c_uint32, Owner, c_uint32, c_uint64, POINTER(PageRef), _V]),
+    "kvsan_free": (c_int32, [c_uint32, Owner, PageRef, c_uint64, _V]),
+    "kvsan_share": (c_int32, [c_uint32, PageRef, Owner, _V]),
+    "kvsan_declare_salt": (c_int32, [Owner, c_uint64, _V]),
+    "kvsan_write": (c_int32, [c_uint32, Owner, PageRef, CRange, CRange, c_uint64, _V]),
+    "kvsan_read": (
+        c_int32,
+        [c_uint32, Owner, POINTER(PageRef), c_size_t, c_uint64, CRange, c_uint64, _V],
+    ),
+    "kvsan_check_block_table": (
+        c_int32,
+        [c_uint32, POINTER(Owner), c_size_t, _I32, c_size_t, c_size_t, _I32, CRange, c_uint64, _V],
+    ),
+    "kvsan_check_paged_csr": (
+        c_int32,
+        [c_uint32, POINTER(Owner), c_size_t, _I32, _I32, c_size_t, _I32, CRange, c_uint64, _V],
+    ),
+    "kvsan_check_req_to_token": (
+        c_int32,
+        [
+            c_uint32,
+            POINTER(Owner),
+            c_size_t,
+            _I32,
+            c_size_t,
+            c_size_t,
+            _I32,
+            _I32,
+            CRange,
+            c_uint64,
+            _V,
+        ],
+    ),
+    "kvsan_check_slot_mapping": (
+        c_int32,
+        [c_uint32, POINTER(Owner), c_size_t, _I32, POINTER(c_int64), c_size_t, CRange, c_uint64, _V],
+    ),
+    "kvsan_violation_count": (c_int32, [POINTER(c_uint64)]),
+    "kvsan_violation_count_of": (c_int32, [c_uint32, POINTER(c_uint64)]),
+    "kvsan_check_count": (c_int32, [POINTER(c_uint64)]),
+    "kvsan_summary": (c_int32, [POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+    "kvsan_last_error": (c_size_t, [POINTER(c_char), c_size_t]),
+    "kvsan_refused_calls": (c_uint64, []),
+    "kvsan_violation_kind_name": (c_char_p, [c_uint32]),
+    "kvsan_status_name": (c_char_p, [c_int32]),
+}
+
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+def load(path: str | os.PathLike[str] | None = None) -> ctypes.CDLL:
+    """The shim library: ``path`` if given; else ``$KVSAN_SHIM``; else the
+    one already in the process (``LD_PRELOAD``: never a second copy, which
+    would be a second sanitizer); else the one packaged with this module."""
+    if path is None:
+        path = os.environ.get("KVSAN_SHIM") or None
+    if path is not None:
+        return _declared(ctypes.CDLL(os.fspath(path)))
+    process = ctypes.CDLL(None)
+    if hasattr(process, "kvsan_abi_version"):
+        return _declared(process)
+    here = Path(__file__).resolve().parent
+    candidates = sorted(here.glob("kvsan_shim*.so")) + sorted(here.glob("libkvsan_shim*.so"))
+    if not candidates:
+        raise OSError(
+            f"no kvsan shim library in {here} and none preloaded; "
+            "install the package with `pip install ./python`, or set KVSAN_SHIM"
+        )
+    return _declared(ctypes.CDLL(str(candidates[0])))

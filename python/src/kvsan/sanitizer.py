@@ -1,0 +1,371 @@
+"""The Pythonic face of the kvsan shim: a sanitizer, its pools, verdicts."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import byref, c_int32, c_int64, c_size_t, c_uint32, c_uint64
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from . import _abi
+from ._abi import CRange, CVerdict, Owner, PageRef
+from ._arrays import as_c_array
+
+
+class KvsanError(Exception):
+    """A call the library refused: a negative ``KVSAN_ERR_*`` status, with
+    the library's message (which names the argument and the limit)."""
+
+    def __init__(self, call: str, status: str, message: str) -> None:
+        super().__init__(f"{call}: {status}: {message}")
+        self.call = call
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a check found: ``ok``, or the violation's kind and id (the
+    report, on stderr or in the log file, carries the same id)."""
+
+    ok: bool
+    kind: str | None = None
+    violation_id: int | None = None
+
+    @property
+    def violation(self) -> str | None:
+        """``KV-000123`` for a violation, else ``None``."""
+        return None if self.violation_id is None else f"KV-{self.violation_id:06d}"
+
+
+class Violation(Exception):
+    """Raised for a violation when the sanitizer was attached with
+    ``raise_on_violation=True``: the request must be aborted."""
+
+    def __init__(self, verdict: Verdict, what: str) -> None:
+        super().__init__(f"{what}: {verdict.kind} ({verdict.violation})")
+        self.verdict = verdict
+
+
+def _range(r: range | tuple[int, int] | None, default_end: int) -> CRange:
+    if r is None:
+        return CRange(0, default_end)
+    if isinstance(r, range):
+        if r.step != 1:
+            raise ValueError(f"a range of step 1, not {r}")
+        return CRange(r.start, r.stop)
+    start, end = r
+    return CRange(start, end)
+
+
+class Sanitizer:
+    """The sanitizer in this process, through the shim's C ABI."""
+
+    def __init__(self, lib: ctypes.CDLL, raise_on_violation: bool) -> None:
+        self._lib = lib
+        self.raise_on_violation = raise_on_violation
+        self._check("kvsan_check_version", lib.kvsan_check_version(_abi.ABI_VERSION))
+
+    # ---- plumbing ---------------------------------------------------------
+
+    def _check(self, call: str, status: int) -> None:
+        if status == _abi.KVSAN_OK:
+            return
+        name = self._lib.kvsan_status_name(status)
+        buf = ctypes.create_string_buffer(1024)
+        self._lib.kvsan_last_error(buf, len(buf))
+        raise KvsanError(
+            call,
+            name.decode() if name else f"status {status}",
+            buf.value.decode(errors="replace"),
+        )
+
+    def _verdict(self, v: CVerdict, what: str) -> Verdict:
+        if v.code == _abi.VERDICT_CONTINUE:
+            return Verdict(ok=True)
+        name = self._lib.kvsan_violation_kind_name(v.kind)
+        verdict = Verdict(
+            ok=False,
+            kind=name.decode() if name else f"kind {v.kind}",
+            violation_id=int(v.violation_id),
+        )
+        if self.raise_on_violation:
+            raise Violation(verdict, what)
+        return verdict
+
+    def _call(self, name: str, *args: Any) -> Verdict:
+        v = CVerdict()
+        self._check(name, getattr(self._lib, name)(*args, byref(v)))
+        return self._verdict(v, name)
+
+    # ---- the process's sanitizer --------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        """Whether the library's sanitizer is attached (a bad
+        ``KVSAN_OPTIONS`` leaves it detached, and every call refused)."""
+        return self._lib.kvsan_attached() == 1
+
+    def register_pool(
+        self,
+        pages: int,
+        page_slots: int,
+        layers: int,
+        bytes_per_slot: int = 0,
+        role: str = "unified",
+        node: str = "python",
+    ) -> "Pool":
+        """Registers a KV page pool and returns it."""
+        if role not in _abi.ROLES:
+            raise ValueError(f"role {role!r}: one of {', '.join(_abi.ROLES)}")
+        name = node.encode()
+        g = _abi.PoolGeometry(pages, page_slots, layers, _abi.ROLES[role], bytes_per_slot, name, len(name))
+        pool = c_uint32()
+        self._check(
+            "kvsan_pool_register",
+            self._lib.kvsan_pool_register(byref(g), ctypes.sizeof(g), byref(pool)),
+        )
+        return Pool(self, pool.value, page_slots, layers)
+
+    def request_event(self, owner: Owner, event: str, pool: "Pool | None" = None) -> Verdict:
+        """The request entered state ``event`` (``queued``, ``admitted``,
+        ``prefilling``, ``transferring``, ``decoding``, ``finished``,
+        ``rejected``, ``aborted``) — as the node owning ``pool`` sees it,
+        when given."""
+        code = _abi.EVENTS.get(event)
+        if code is None:
+            raise ValueError(f"event {event!r}: one of {', '.join(_abi.EVENTS)}")
+        if pool is None:
+            return self._call("kvsan_request_event", owner, code)
+        return self._call("kvsan_request_event_at", pool.id, owner, code)
+
+    def declare_salt(self, owner: Owner, salt: int) -> Verdict:
+        """``owner``'s cache salt (a 64-bit hash of it; 0: none), before it
+        takes pages (``KVSAN_OPTIONS=prefix_share=salt``)."""
+        return self._call("kvsan_declare_salt", owner, salt)
+
+    def violation_count(self, kind: str | None = None) -> int:
+        """Violations so far (of ``kind`` when given, e.g. ``"stale-read"``)."""
+        n = c_uint64()
+        if kind is None:
+            self._check("kvsan_violation_count", self._lib.kvsan_violation_count(byref(n)))
+            return n.value
+        for code in range(256):
+            name = self._lib.kvsan_violation_kind_name(code)
+            if name is None:
+                break
+            if name.decode() == kind:
+                self._check(
+                    "kvsan_violation_count_of",
+                    self._lib.kvsan_violation_count_of(code, byref(n)),
+                )
+                return n.value
+        raise ValueError(f"no violation kind {kind!r}")
+
+    def check_count(self) -> int:
+        """Checks performed so far."""
+        n = c_uint64()
+        self._check("kvsan_check_count", self._lib.kvsan_check_count(byref(n)))
+        return n.value
+
+    def summary(self) -> str:
+        """The ``kvsan: N violations (...)`` line."""
+        buf = ctypes.create_string_buffer(4096)
+        length = c_size_t()
+        self._check("kvsan_summary", self._lib.kvsan_summary(buf, len(buf), byref(length)))
+        return buf.value.decode()
+
+
+class Pool:
+    """A registered KV page pool: its page events and its batch checks."""
+
+    def __init__(self, san: Sanitizer, pool_id: int, page_slots: int, layers: int) -> None:
+        self.san = san
+        self.id = pool_id
+        self.page_slots = page_slots
+        self.layers = layers
+
+    def __repr__(self) -> str:
+        return f"Pool(id={self.id}, page_slots={self.page_slots}, layers={self.layers})"
+
+    # ---- page events --------------------------------------------------------
+
+    def alloc(self, owner: Owner, page: int, step: int = 0) -> PageRef:
+        """The engine took ``page`` for ``owner``: its tag for the block
+        table. A violation (``double-alloc``, a terminal owner) raises or is
+        returned as the tag's ``verdict`` attribute."""
+        ref, v = PageRef(), CVerdict()
+        lib = self.san._lib
+        self.san._check("kvsan_alloc", lib.kvsan_alloc(self.id, owner, page, step, byref(ref), byref(v)))
+        ref.verdict = self.san._verdict(v, "kvsan_alloc")
+        return ref
+
+    def free(self, owner: Owner, page: PageRef, step: int = 0) -> Verdict:
+        """``owner`` returns ``page`` (its own, or its share of it)."""
+        return self.san._call("kvsan_free", self.id, owner, page, step)
+
+    def share(self, page: PageRef, sharer: Owner) -> Verdict:
+        """The prefix cache hands ``page`` read-only to ``sharer``."""
+        return self.san._call("kvsan_share", self.id, page, sharer)
+
+    def write(
+        self,
+        owner: Owner,
+        page: PageRef,
+        slots: range | tuple[int, int],
+        layers: range | tuple[int, int] | None = None,
+        step: int = 0,
+    ) -> Verdict:
+        """``owner`` computed KV into ``slots`` × ``layers`` (default: all) of ``page``."""
+        return self.san._call(
+            "kvsan_write", self.id, owner, page, _range(slots, 0), _range(layers, self.layers), step
+        )
+
+    def read(
+        self,
+        owner: Owner,
+        table: Sequence[PageRef],
+        tokens: int,
+        layers: range | tuple[int, int] | None = None,
+        step: int = 0,
+    ) -> Verdict:
+        """Attention of ``owner`` reads the first ``tokens`` positions of
+        ``table`` for ``layers`` (default: all)."""
+        refs = (PageRef * len(table))(*table)
+        return self.san._call(
+            "kvsan_read", self.id, owner, refs, len(table), tokens, _range(layers, self.layers), step
+        )
+
+    # ---- batch checks over the kernels' own buffers ---------------------------
+
+    def _batch(self, name: str, owners: Sequence[Owner], *args: Any) -> list[Verdict]:
+        rows = len(owners)
+        c_owners = (Owner * rows)(*owners)
+        out = (CVerdict * rows)()
+        self.san._check(name, getattr(self.san._lib, name)(self.id, c_owners, rows, *args, out))
+        return [self.san._verdict(v, f"{name} row {i}") for i, v in enumerate(out)]
+
+    def check_block_table(
+        self,
+        owners: Sequence[Owner],
+        block_table: Any,
+        stride: int,
+        seq_lens: Any,
+        layers: range | tuple[int, int] | None = None,
+        step: int = 0,
+    ) -> list[Verdict]:
+        """A padded block table (vLLM, FlashAttention), ``int32``: row ``r``
+        reads ``seq_lens[r]`` tokens through ``block_table[r * stride ...]``."""
+        table = as_c_array(block_table, c_int32, "block_table")
+        lens = _rows(as_c_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
+        return self._batch(
+            "kvsan_check_block_table",
+            owners,
+            table.pointer,
+            table.length,
+            stride,
+            lens.pointer,
+            _range(layers, self.layers),
+            step,
+        )
+
+    def check_paged_csr(
+        self,
+        owners: Sequence[Owner],
+        indptr: Any,
+        indices: Any,
+        last_page_len: Any,
+        layers: range | tuple[int, int] | None = None,
+        step: int = 0,
+    ) -> list[Verdict]:
+        """Pages in CSR form (FlashInfer), ``int32``."""
+        ptr = as_c_array(indptr, c_int32, "indptr")
+        if ptr.length != len(owners) + 1:
+            raise ValueError(f"indptr has {ptr.length} entries; {len(owners)} rows need {len(owners) + 1}")
+        idx = as_c_array(indices, c_int32, "indices")
+        last = _rows(as_c_array(last_page_len, c_int32, "last_page_len"), owners, "last_page_len")
+        return self._batch(
+            "kvsan_check_paged_csr",
+            owners,
+            ptr.pointer,
+            idx.pointer,
+            idx.length,
+            last.pointer,
+            _range(layers, self.layers),
+            step,
+        )
+
+    def check_req_to_token(
+        self,
+        owners: Sequence[Owner],
+        req_to_token: Any,
+        stride: int,
+        req_indices: Any,
+        seq_lens: Any,
+        layers: range | tuple[int, int] | None = None,
+        step: int = 0,
+    ) -> list[Verdict]:
+        """A token-level table (SGLang's ``req_to_token``), ``int32``."""
+        table = as_c_array(req_to_token, c_int32, "req_to_token")
+        reqs = _rows(as_c_array(req_indices, c_int32, "req_indices"), owners, "req_indices")
+        lens = _rows(as_c_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
+        return self._batch(
+            "kvsan_check_req_to_token",
+            owners,
+            table.pointer,
+            table.length,
+            stride,
+            reqs.pointer,
+            lens.pointer,
+            _range(layers, self.layers),
+            step,
+        )
+
+    def check_slot_mapping(
+        self,
+        owners: Sequence[Owner],
+        query_start_loc: Any,
+        slot_mapping: Any,
+        layers: range | tuple[int, int] | None = None,
+        step: int = 0,
+    ) -> list[Verdict]:
+        """A store kernel's ``slot_mapping`` (``int64``, −1 padding) with
+        ``query_start_loc`` (``int32``, rows + 1); the slots stored are
+        recorded written."""
+        starts = as_c_array(query_start_loc, c_int32, "query_start_loc")
+        if starts.length != len(owners) + 1:
+            raise ValueError(
+                f"query_start_loc has {starts.length} entries; {len(owners)} rows need {len(owners) + 1}"
+            )
+        slots = as_c_array(slot_mapping, c_int64, "slot_mapping")
+        return self._batch(
+            "kvsan_check_slot_mapping",
+            owners,
+            starts.pointer,
+            slots.pointer,
+            slots.length,
+            _range(layers, self.layers),
+            step,
+        )
+
+
+def _rows(array: Any, owners: Sequence[Owner], name: str) -> Any:
+    if array.length != len(owners):
+        raise ValueError(f"{name} has {array.length} entries for {len(owners)} rows")
+    return array
+
+
+def attach(
+    library: str | os.PathLike[str] | None = None, raise_on_violation: bool = False
+) -> Sanitizer:
+    """The sanitizer of this process: the shim at ``library``, or
+    ``$KVSAN_SHIM``, or the one preloaded, or the one packaged (see
+    ``kvsan._abi.load``). With ``raise_on_violation``, a violation raises
+    :class:`Violation` instead of being returned as a :class:`Verdict`."""
+    return Sanitizer(_abi.load(library), raise_on_violation)
+
+
+def owners(pairs: Iterable[tuple[int, int]]) -> list[Owner]:
+    """``[(request, tenant), ...]`` as owners."""
+    return [Owner(r, t) for r, t in pairs]

@@ -1,0 +1,150 @@
+"""The Python API over the shim: page events, verdicts, refusals, the batch
+checks over kernel buffers, and buffers passed without copies."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import itertools
+
+import pytest
+
+import kvsan
+from kvsan._arrays import as_c_array
+
+SLOTS, LAYERS = 4, 2
+_ids = itertools.count(1000)
+
+
+@pytest.fixture(scope="module")
+def san() -> kvsan.Sanitizer:
+    return kvsan.attach()
+
+
+def owner(tenant: int = 1) -> kvsan.Owner:
+    return kvsan.Owner(next(_ids), tenant)
+
+
+def running(san: kvsan.Sanitizer, *who: kvsan.Owner) -> None:
+    for o in who:
+        for event in ("queued", "admitted", "decoding"):
+            assert san.request_event(o, event).ok
+
+
+def pool(san: kvsan.Sanitizer, pages: int = 8) -> kvsan.Pool:
+    return san.register_pool(pages=pages, page_slots=SLOTS, layers=LAYERS, bytes_per_slot=128, node="pytest")
+
+
+def test_the_incident_in_miniature_is_a_stale_read_with_a_report(san, capfd):
+    p = pool(san, 4)
+    victim, probe, neighbour = owner(7), owner(9), owner(9)
+    running(san, victim, probe, neighbour)
+    page = p.alloc(victim, 0)
+    assert page.verdict.ok
+    assert p.write(victim, page, range(0, 4)).ok
+    assert p.read(victim, [page], 4).ok
+    assert p.free(victim, page).ok
+    again = p.alloc(probe, 0)
+    assert again.page == 0 and again.generation != page.generation
+    assert p.write(probe, again, range(0, 1)).ok
+    before = san.violation_count("stale-read")
+    verdict = p.read(probe, [again], 4)
+    assert not verdict.ok and verdict.kind == "stale-read"
+    assert verdict.violation and verdict.violation.startswith("KV-")
+    assert san.violation_count("stale-read") == before + 1
+    err = capfd.readouterr().err
+    assert f"kvsan: ERROR: stale-read in request {probe.request}" in err
+    assert verdict.violation in err
+    other = p.alloc(neighbour, 1)
+    assert p.write(neighbour, other, (0, 3)).ok
+    assert p.read(neighbour, [other], 3).ok
+
+
+def test_with_raise_on_violation_a_violation_raises(san):
+    raising = kvsan.attach(raise_on_violation=True)
+    p = pool(raising)
+    a, b = owner(1), owner(2)
+    running(raising, a, b)
+    page = p.alloc(a, 2)
+    p.write(a, page, range(0, SLOTS))
+    with pytest.raises(kvsan.Violation) as caught:
+        p.read(b, [page], SLOTS)
+    assert caught.value.verdict.kind == "foreign-read"
+
+
+def test_a_call_the_library_refuses_raises_naming_the_limit(san):
+    p = pool(san)
+    a = owner()
+    running(san, a)
+    page = p.alloc(a, 3)
+    with pytest.raises(kvsan.KvsanError) as caught:
+        p.write(a, page, range(0, SLOTS + 1))
+    assert caught.value.status == "KVSAN_ERR_OUT_OF_RANGE"
+    assert "a page has 4 slots" in caught.value.message
+
+
+def test_an_array_array_is_passed_by_address_and_a_list_is_copied():
+    buf = array.array("i", [5, 6, 7])
+    c = as_c_array(buf, ctypes.c_int32, "t")
+    assert not c.copied and c.length == 3
+    assert ctypes.cast(c.pointer, ctypes.c_void_p).value == buf.buffer_info()[0]
+    c = as_c_array([1, 2], ctypes.c_int32, "t")
+    assert c.copied and list(c.pointer[0:2]) == [1, 2]
+    with pytest.raises(TypeError, match="expected int32"):
+        as_c_array(array.array("q", [1]), ctypes.c_int32, "seq_lens")
+
+
+def filled(san, p):
+    """Request a: page 0 full and page 1 slots 0..2; b: page 2 full, page 3 slot 0."""
+    a, b = owner(1), owner(2)
+    running(san, a, b)
+    for who, page, slots in ((a, 0, 4), (a, 1, 2), (b, 2, 4), (b, 3, 1)):
+        ref = p.alloc(who, page)
+        assert p.write(who, ref, range(0, slots)).ok
+    return a, b
+
+
+def test_block_table_checks_pass_as_built_and_catch_swapped_rows(san):
+    p = pool(san)
+    a, b = filled(san, p)
+    lens = array.array("i", [6, 5])
+    ok = p.check_block_table([a, b], array.array("i", [0, 1, 2, 3]), 2, lens)
+    assert [v.ok for v in ok] == [True, True]
+    swapped = p.check_block_table([a, b], array.array("i", [2, 3, 0, 1]), 2, lens)
+    assert [v.kind for v in swapped] == ["foreign-read", "foreign-read"]
+    with pytest.raises(kvsan.KvsanError, match="row 1"):
+        p.check_block_table([a, b], [0, 1, 2], 2, lens)
+
+
+def test_csr_token_table_and_store_slots(san):
+    p = pool(san)
+    a, b = filled(san, p)
+    csr = p.check_paged_csr([a, b], [0, 2, 4], [0, 1, 2, 3], [2, 2])
+    assert [v.kind for v in csr] == [None, "stale-read"]
+    r2t = [0, 1, 2, 3, 4, 5, 0, 0, 8, 9, 10, 11, 12, 0, 0, 0]
+    tok = p.check_req_to_token([a, b], r2t, 8, [1, 0], [6, 5])
+    assert [v.kind for v in tok] == ["foreign-read", "foreign-read"]
+    store = p.check_slot_mapping([a, b], [0, 2, 3], array.array("q", [6, -1, 3]))
+    assert [v.kind for v in store] == [None, "foreign-write"]
+
+
+def test_numpy_arrays_go_without_copies():
+    np = pytest.importorskip("numpy")
+    table = np.arange(4, dtype=np.int32).reshape(2, 2)
+    c = as_c_array(table, ctypes.c_int32, "block_table")
+    assert not c.copied and c.length == 4
+    assert ctypes.cast(c.pointer, ctypes.c_void_p).value == table.ctypes.data
+    with pytest.raises(TypeError, match="expected int32"):
+        as_c_array(table.astype(np.int64), ctypes.c_int32, "block_table")
+
+
+def test_the_prefix_cache_shares_within_a_tenant_only(san):
+    p = pool(san)
+    writer, same, other = owner(3), owner(3), owner(4)
+    running(san, writer, same, other)
+    page = p.alloc(writer, 5)
+    assert p.write(writer, page, range(0, SLOTS)).ok
+    assert p.share(page, same).ok
+    assert p.read(same, [page], SLOTS).ok
+    refused = p.share(page, other)
+    assert refused.kind == "cross-domain-share"
