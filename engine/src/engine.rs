@@ -111,8 +111,12 @@ impl EngineConfig {
         Executor::new(model, pages, role, name, settings)
     }
 
-    /// The context served, checked against the model's.
-    fn context(&self, model: &Model) -> Result<usize, EngineError> {
+    /// The context served (`context`, else the model's), checked against
+    /// the model's.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] for a context of 0 or past the model's.
+    pub fn context(&self, model: &Model) -> Result<usize, EngineError> {
         let max = model.config().context_length;
         match self.context {
             Some(c) if c == 0 || c > max => Err(EngineError::Config {

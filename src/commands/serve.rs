@@ -180,7 +180,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     };
     let (model, text, model_id) = load_model(args)?;
     let cfg = args.engine.config()?;
-    let context_length = model.config().context_length;
+    // What clients are told (`/v1/models`' max_model_len) is what the
+    // engine enforces: `--context` when given.
+    let context_length = cfg.context(&model)?;
     stop_on_signals(cfg.hooks.clone())?;
     let (engine, peers) = match (args.role, rdma) {
         (Role::Prefill, rdma) => return run_prefill(args, model, &cfg, rdma, &link_opts),
