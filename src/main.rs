@@ -29,16 +29,32 @@ enum Command {
     Replay(commands::replay::Args),
     /// Measure the sanitizer's overhead on the whole engine.
     Bench(commands::bench::Args),
+    /// Audit an OpenAI-compatible server from outside for cross-request
+    /// leaks, limits that are not enforced and a prefix cache shared across
+    /// keys. Exit status: 0 nothing found, 1 findings, 2 the audit could
+    /// not run.
+    Audit(commands::audit::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Audit(args) = &cli.command {
+        return match commands::audit::run(args) {
+            Ok(commands::audit::Outcome::Clean) => ExitCode::SUCCESS,
+            Ok(commands::audit::Outcome::Findings) => ExitCode::from(1),
+            Err(err) => {
+                output::print_error(&err, args.json);
+                ExitCode::from(2)
+            }
+        };
+    }
     let (json, result) = match cli.command {
         Command::Generate(args) => (args.json, commands::generate::run(&args)),
         Command::Tokenize(args) => (args.json, commands::tokenize::run(&args)),
         Command::Serve(args) => (false, commands::serve::run(&args)),
         Command::Replay(args) => (args.json, commands::replay::run(&args)),
         Command::Bench(args) => (args.json(), commands::bench::run(&args)),
+        Command::Audit(_) => unreachable!("handled above"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

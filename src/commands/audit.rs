@@ -1,0 +1,202 @@
+//! `kvsan audit`: a black-box isolation audit of an OpenAI-compatible
+//! server, from outside — for engines that cannot be rebuilt or preloaded.
+//!
+//! ```text
+//!  discover   GET /v1/models: the model, its context (max_model_len)
+//!  1 determinism      identical greedy requests, sequential and concurrent
+//!  2 noninterference  victim prompts with made-up canaries (short, long,
+//!                     near the limit), then a probe from the other key,
+//!                     twice with only the canary changed; concurrent too
+//!  3 limits           prompts under, at, just over and far over the
+//!                     context; max_tokens pushing past it
+//!  4 prefix timing    a repeated prefix's time to first token against
+//!                     fresh ones: same key (a hit must show), other key
+//!                     (a hit is a finding); two-sample KS test
+//! ```
+//!
+//! Exit status, like a linter's: 0 nothing found, 1 findings, 2 the audit
+//! could not run (the server unreachable, bad arguments).
+
+mod client;
+mod ks;
+mod probes;
+mod report;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use self::client::{BudgetSpent, Client};
+use self::probes::{Found, Keys, Texts};
+use self::report::Report;
+
+/// Arguments of `kvsan audit`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The server's base URL (`http://host:port`; `/v1/...` is appended).
+    #[arg(long, value_name = "URL")]
+    pub base_url: String,
+    /// API key of the victim tenant (`Authorization: Bearer`).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// API key of another tenant, for the cross-tenant probes and timing
+    /// (without it, probes use `--api-key` and test across requests only).
+    #[arg(long, value_name = "KEY")]
+    pub other_api_key: Option<String>,
+    /// Model to ask for (default: the first `/v1/models` lists).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Context length in tokens (default: `max_model_len` from `/v1/models`;
+    /// without either, the limit probes are skipped).
+    #[arg(long, value_name = "TOKENS")]
+    pub context_length: Option<usize>,
+    /// A smaller limit the server enforces on a prompt, in tokens (a KV pool
+    /// smaller than the context): probed like the context, and the
+    /// noninterference probe's oversize prompt goes just over it.
+    #[arg(long, value_name = "TOKENS")]
+    pub pool_limit: Option<usize>,
+    /// Requests the audit may send at most.
+    #[arg(long, value_name = "REQUESTS", default_value_t = 200)]
+    pub budget: usize,
+    /// Requests in flight at once in the concurrent probes.
+    #[arg(long, default_value_t = 3)]
+    pub concurrency: usize,
+    /// Seconds one request may take.
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    pub timeout: u64,
+    /// Timed requests per arm of each prefix-cache comparison.
+    #[arg(long, default_value_t = 12)]
+    pub timing_samples: usize,
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the findings as SARIF 2.1.0 to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub sarif: Option<PathBuf>,
+    /// Seed of the made-up text and canaries (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// How the audit ended.
+pub enum Outcome {
+    /// Nothing found.
+    Clean,
+    /// Findings, reported.
+    Findings,
+}
+
+/// Runs the audit.
+///
+/// # Errors
+/// The audit could not run: bad arguments, the server unreachable or
+/// refusing the key, a SARIF file that cannot be written.
+pub fn run(args: &Args) -> anyhow::Result<Outcome> {
+    if args.budget == 0 || args.concurrency == 0 || args.timing_samples == 0 {
+        anyhow::bail!("--budget, --concurrency and --timing-samples must be at least 1");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    let report = rt.block_on(audit(args))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.text());
+    }
+    if let Some(path) = &args.sarif {
+        std::fs::write(path, serde_json::to_string_pretty(&report.sarif())? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(if report.found.findings.is_empty() {
+        Outcome::Clean
+    } else {
+        Outcome::Findings
+    })
+}
+
+async fn audit(args: &Args) -> anyhow::Result<Report> {
+    let progress = indicatif::ProgressBar::new(args.budget as u64);
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("kvsan audit {bar:30} {pos}/{len} requests {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut client = Client::new(
+        &args.base_url,
+        Duration::from_secs(args.timeout),
+        args.budget,
+        progress.clone(),
+    )?;
+    let served_context = client
+        .discover(args.api_key.as_deref(), args.model.as_deref())
+        .await?;
+    let context = args.context_length.or(served_context);
+    let keys = Keys {
+        victim: args.api_key.as_deref(),
+        probe: args.other_api_key.as_deref().or(args.api_key.as_deref()),
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let mut texts = Texts::new(seed);
+    let mut found = Found::default();
+    let plan = Plan {
+        context,
+        pool: args.pool_limit,
+        concurrency: args.concurrency,
+        samples: args.timing_samples,
+    };
+    let phases = run_phases(&client, &keys, &mut texts, &plan, &mut found).await;
+    let budget_spent = phases.is_err();
+    if budget_spent {
+        found.notes.push(format!(
+            "the budget of {} requests ran out; later probes did not run",
+            args.budget
+        ));
+    }
+    if context.is_none() {
+        found.notes.push(
+            "the server gave no context length (max_model_len) and --context-length was not given: limit probes skipped"
+                .into(),
+        );
+    }
+    progress.finish_and_clear();
+    Ok(Report {
+        base_url: args.base_url.clone(),
+        model: client.model.clone(),
+        context_length: context,
+        requests_sent: client.sent(),
+        budget: args.budget,
+        budget_spent,
+        cross_tenant: args.other_api_key.is_some(),
+        found,
+    })
+}
+
+/// What the phases are given.
+struct Plan {
+    context: Option<usize>,
+    pool: Option<usize>,
+    concurrency: usize,
+    samples: usize,
+}
+
+async fn run_phases(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    plan: &Plan,
+    found: &mut Found,
+) -> Result<(), BudgetSpent> {
+    probes::determinism(client, keys, texts, plan.concurrency, found).await?;
+    probes::noninterference(client, keys, texts, plan.context, plan.pool, found).await?;
+    if let Some(ctx) = plan.context {
+        probes::limits(client, keys.victim, ctx, plan.pool, found).await?;
+    }
+    probes::prefix_timing(client, keys, texts, plan.context, plan.samples, found).await
+}

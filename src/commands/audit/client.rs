@@ -1,0 +1,257 @@
+//! The audit's HTTP client: completions (plain and streamed, for time to
+//! first token) against one base URL, every request counted against the
+//! budget. Nothing is sent anywhere but the URL given.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+/// One completion as the server answered it.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Completion {
+    /// The HTTP status.
+    pub status: u16,
+    /// The generated text (empty for an error).
+    pub text: String,
+    /// `usage.prompt_tokens`, when the server reports it.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.completion_tokens`, when the server reports it.
+    pub completion_tokens: Option<u64>,
+    /// `finish_reason` of the first choice.
+    pub finish_reason: Option<String>,
+    /// The error message of a non-2xx answer (the server's words).
+    pub error: Option<String>,
+}
+
+impl Completion {
+    /// A 2xx answer with text.
+    pub fn served_text(&self) -> bool {
+        (200..300).contains(&self.status) && !self.text.is_empty()
+    }
+}
+
+/// The budget ran out: the audit stops sending and reports what it has.
+#[derive(Debug, thiserror::Error)]
+#[error("the request budget ({0}) is spent")]
+pub struct BudgetSpent(pub usize);
+
+/// A client of one server.
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    pub model: String,
+    budget: usize,
+    sent: AtomicUsize,
+    progress: indicatif::ProgressBar,
+}
+
+impl Client {
+    /// A client of `base` (`http://host:port`, no trailing `/v1`).
+    ///
+    /// # Errors
+    /// A URL that is not `http://…`.
+    pub fn new(
+        base: &str,
+        timeout: Duration,
+        budget: usize,
+        progress: indicatif::ProgressBar,
+    ) -> anyhow::Result<Client> {
+        let base = base
+            .trim_end_matches('/')
+            .trim_end_matches("/v1")
+            .to_string();
+        if base.starts_with("https://") {
+            bail!(
+                "--base-url {base}: this kvsan speaks plain HTTP only (no TLS client is built in); \
+                 reach an HTTPS endpoint through a local TLS proxy"
+            );
+        }
+        if !base.starts_with("http://") {
+            bail!("--base-url {base}: expected http://HOST:PORT");
+        }
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .context("building the HTTP client")?;
+        Ok(Client {
+            http,
+            base,
+            model: String::new(),
+            budget,
+            sent: AtomicUsize::new(0),
+            progress,
+        })
+    }
+
+    /// Requests sent so far.
+    pub fn sent(&self) -> usize {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    fn spend(&self) -> Result<(), BudgetSpent> {
+        let n = self.sent.fetch_add(1, Ordering::Relaxed);
+        if n >= self.budget {
+            self.sent.fetch_sub(1, Ordering::Relaxed);
+            return Err(BudgetSpent(self.budget));
+        }
+        self.progress.inc(1);
+        Ok(())
+    }
+
+    fn post(&self, key: Option<&str>, path: &str, body: &Value) -> reqwest::RequestBuilder {
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        if let Some(k) = key {
+            req = req.header("authorization", format!("Bearer {k}"));
+        }
+        req
+    }
+
+    /// `GET /v1/models`: the model to ask for and its context length, if
+    /// the server says (`max_model_len`, vLLM's and kvsan's field).
+    ///
+    /// # Errors
+    /// The server cannot be reached, refuses the key, or answers no model.
+    pub async fn discover(
+        &mut self,
+        key: Option<&str>,
+        model: Option<&str>,
+    ) -> anyhow::Result<Option<usize>> {
+        let url = format!("{}/v1/models", self.base);
+        let mut req = self.http.get(&url);
+        if let Some(k) = key {
+            req = req.header("authorization", format!("Bearer {k}"));
+        }
+        let resp = req
+            .send()
+            .await
+            .with_context(|| format!("cannot reach {url}"))?;
+        let status = resp.status().as_u16();
+        let body: Value = serde_json::from_slice(&resp.bytes().await?).unwrap_or(Value::Null);
+        if status != 200 {
+            bail!("{url} answered {status}: {}", error_message(&body));
+        }
+        let models = body["data"].as_array().cloned().unwrap_or_default();
+        let chosen = match model {
+            Some(m) => models
+                .iter()
+                .find(|e| e["id"] == m)
+                .cloned()
+                .unwrap_or_else(|| json!({"id": m})),
+            None => models
+                .first()
+                .cloned()
+                .with_context(|| format!("{url} lists no model; give --model"))?,
+        };
+        self.model = chosen["id"].as_str().unwrap_or_default().to_string();
+        Ok(["max_model_len", "context_length", "context_window"]
+            .iter()
+            .find_map(|f| chosen[*f].as_u64())
+            .map(|n| n as usize))
+    }
+
+    /// A greedy completion of `prompt`.
+    ///
+    /// # Errors
+    /// [`BudgetSpent`], or the request failed (no answer, timeout).
+    pub async fn complete(
+        &self,
+        key: Option<&str>,
+        prompt: &str,
+        max_tokens: usize,
+    ) -> anyhow::Result<Completion> {
+        self.spend()?;
+        let body = json!({
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "seed": 0,
+        });
+        let resp = self
+            .post(key, "/v1/completions", &body)
+            .send()
+            .await
+            .context("sending a completion")?;
+        let status = resp.status().as_u16();
+        let bytes = resp.bytes().await.context("reading a completion")?;
+        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        if !(200..300).contains(&status) {
+            return Ok(Completion {
+                status,
+                error: Some(error_message(&v)),
+                ..Completion::default()
+            });
+        }
+        let choice = &v["choices"][0];
+        Ok(Completion {
+            status,
+            text: choice["text"].as_str().unwrap_or_default().to_string(),
+            prompt_tokens: v["usage"]["prompt_tokens"].as_u64(),
+            completion_tokens: v["usage"]["completion_tokens"].as_u64(),
+            finish_reason: choice["finish_reason"].as_str().map(str::to_string),
+            error: None,
+        })
+    }
+
+    /// Time to the first streamed chunk that carries text, for `prompt`.
+    /// `None` when the server refused it.
+    ///
+    /// # Errors
+    /// As [`Client::complete`].
+    pub async fn time_to_first_token(
+        &self,
+        key: Option<&str>,
+        prompt: &str,
+    ) -> anyhow::Result<Option<Duration>> {
+        self.spend()?;
+        let body = json!({
+            "model": self.model, "prompt": prompt, "max_tokens": 2,
+            "temperature": 0, "stream": true,
+        });
+        let start = Instant::now();
+        let mut resp = self
+            .post(key, "/v1/completions", &body)
+            .send()
+            .await
+            .context("sending a streamed completion")?;
+        if !resp.status().is_success() {
+            return Ok(None);
+        }
+        let mut pending = String::new();
+        while let Some(chunk) = resp.chunk().await.context("reading the stream")? {
+            pending.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(at) = pending.find('\n') {
+                let line: String = pending.drain(..=at).collect();
+                let Some(data) = line.trim().strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    return Ok(None);
+                }
+                let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+                if v["choices"][0]["text"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+                {
+                    let first = start.elapsed();
+                    // Drain the rest so the connection is reusable.
+                    while resp.chunk().await.ok().flatten().is_some() {}
+                    return Ok(Some(first));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// The message of an OpenAI-style error body (`error.message`), or the body.
+fn error_message(v: &Value) -> String {
+    v["error"]["message"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_else(|| v.to_string())
+}

@@ -1,0 +1,603 @@
+//! The audit's probes, phase by phase: determinism, noninterference with
+//! canaries, limits, prefix-cache timing. Each phase spends requests from
+//! the one budget and stops, saying so, when it is spent.
+
+use std::time::Duration;
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use super::client::{BudgetSpent, Client, Completion};
+use super::ks::{self, Ks};
+
+/// A kind of finding: one SARIF rule each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Rule {
+    /// A probe's output changed with another tenant's canary.
+    OutputDependsOnOtherRequest,
+    /// A probe's output quoted a canary another request sent.
+    CanaryQuoted,
+    /// A prompt over the context got a 2xx with text.
+    OversizePromptServed,
+    /// A limit probe got a 5xx, or a 2xx whose usage passes the context.
+    LimitNotClean,
+    /// One key's prompt sped up another key's first token.
+    CrossKeyPrefixCache,
+}
+
+impl Rule {
+    pub const ALL: [Rule; 5] = [
+        Rule::OutputDependsOnOtherRequest,
+        Rule::CanaryQuoted,
+        Rule::OversizePromptServed,
+        Rule::LimitNotClean,
+        Rule::CrossKeyPrefixCache,
+    ];
+
+    pub fn id(self) -> &'static str {
+        match self {
+            Rule::OutputDependsOnOtherRequest => "output-depends-on-other-request",
+            Rule::CanaryQuoted => "canary-quoted",
+            Rule::OversizePromptServed => "oversize-prompt-served",
+            Rule::LimitNotClean => "limit-not-clean",
+            Rule::CrossKeyPrefixCache => "cross-key-prefix-cache",
+        }
+    }
+
+    pub fn description(self) -> &'static str {
+        match self {
+            Rule::OutputDependsOnOtherRequest => {
+                "a probe's greedy output changed when only another request's canary changed: one request's KV reached another's output"
+            }
+            Rule::CanaryQuoted => {
+                "a probe's output quoted a canary secret that only another request sent"
+            }
+            Rule::OversizePromptServed => {
+                "a prompt longer than the context the server holds was answered with 200 and text instead of a 4xx"
+            }
+            Rule::LimitNotClean => {
+                "a request at or past a limit got a 5xx, or a 200 whose usage passes the context"
+            }
+            Rule::CrossKeyPrefixCache => {
+                "a prefix sent with one API key sped up the first token of the same prefix sent with another key: the prefix cache is shared across keys"
+            }
+        }
+    }
+}
+
+/// One finding and its evidence.
+#[derive(Clone, Debug, Serialize)]
+pub struct Finding {
+    pub rule: Rule,
+    pub message: String,
+    pub evidence: serde_json::Value,
+}
+
+/// What the determinism phase measured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Determinism {
+    pub requests: usize,
+    /// Distinct outputs among the identical requests.
+    pub distinct_outputs: usize,
+    pub deterministic: bool,
+}
+
+/// One limit probe.
+#[derive(Clone, Debug, Serialize)]
+pub struct LimitProbe {
+    pub name: &'static str,
+    pub prompt_words: usize,
+    pub max_tokens: usize,
+    pub status: u16,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub outcome: String,
+}
+
+/// One prefix-cache timing comparison.
+#[derive(Clone, Debug, Serialize)]
+pub struct Timing {
+    pub name: &'static str,
+    pub samples: usize,
+    pub hit_median_ms: f64,
+    pub miss_median_ms: f64,
+    pub effect_ms: f64,
+    pub ks: Ks,
+    pub requests: usize,
+    pub verdict: String,
+}
+
+/// Everything the phases found.
+#[derive(Debug, Default, Serialize)]
+pub struct Found {
+    pub determinism: Determinism,
+    pub noninterference_pairs: usize,
+    pub limits: Vec<LimitProbe>,
+    pub timing: Vec<Timing>,
+    pub findings: Vec<Finding>,
+    pub notes: Vec<String>,
+}
+
+/// Who sends what: the victim's key, and the probe's (the other tenant's).
+pub struct Keys<'a> {
+    pub victim: Option<&'a str>,
+    pub probe: Option<&'a str>,
+}
+
+const WORDS: &[&str] = &[
+    "river", "garden", "copper", "lantern", "orbit", "meadow", "signal", "harbor", "pencil",
+    "thunder", "marble", "velvet", "canyon", "ember", "falcon", "glacier", "hollow", "island",
+    "jasmine", "kettle", "ladder", "mirror", "nectar", "oyster", "pepper", "quartz", "ribbon",
+    "saddle", "timber", "umbrella", "violet", "walnut", "yonder", "zephyr", "anchor", "bramble",
+];
+
+/// Text and canaries made up by the audit, from one seed.
+pub struct Texts {
+    rng: ChaCha8Rng,
+}
+
+impl Texts {
+    pub fn new(seed: u64) -> Texts {
+        Texts {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
+    }
+
+    /// `n` random words.
+    pub fn words(&mut self, n: usize) -> String {
+        (0..n)
+            .map(|_| WORDS[self.rng.random_range(0..WORDS.len())])
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// A fresh canary secret: 16 hex digits.
+    pub fn canary(&mut self) -> String {
+        format!("{:016x}", self.rng.random::<u64>())
+    }
+}
+
+/// `n` tokens' worth of one short word (one token in the tokenizers of
+/// every model family tried: GPT-2/Llama-3 BPE, SentencePiece).
+pub fn filler(n: usize) -> String {
+    " the".repeat(n)
+}
+
+/// A victim prompt carrying `canary`, about `tokens` tokens long: the
+/// canary, and words drawn from it, so that everything the victim sends
+/// changes with the canary and nothing else does.
+fn victim_prompt(canary: &str, tokens: usize) -> String {
+    let mut words = Texts::new(u64::from_str_radix(canary, 16).unwrap_or(0));
+    // The code sentences are about 12 tokens each; a word is about 1.4
+    // (measured with a Llama-3-style BPE) — so the prompt stays under
+    // `tokens` wherever that estimate holds.
+    let n = (tokens.saturating_sub(24) * 10 / 14).max(4);
+    format!(
+        "The secret code is {canary}. {}. Remember the secret code {canary}.",
+        words.words(n)
+    )
+}
+
+fn hash(text: &str) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()))
+}
+
+/// Phase 1: identical greedy requests, sequential and concurrent.
+pub async fn determinism(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    concurrency: usize,
+    found: &mut Found,
+) -> Result<(), BudgetSpent> {
+    let prompt = texts.words(40);
+    let mut outputs = Vec::new();
+    for _ in 0..3 {
+        outputs.push(ok_or_budget(
+            client.complete(keys.victim, &prompt, 12).await,
+        )?);
+    }
+    let concurrent = futures_util::future::join_all(
+        (0..concurrency).map(|_| client.complete(keys.victim, &prompt, 12)),
+    )
+    .await;
+    for c in concurrent {
+        outputs.push(ok_or_budget(c)?);
+    }
+    let served: Vec<&Completion> = outputs.iter().filter(|c| c.served_text()).collect();
+    let mut distinct: Vec<&str> = served.iter().map(|c| c.text.as_str()).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    found.determinism = Determinism {
+        requests: outputs.len(),
+        distinct_outputs: distinct.len(),
+        deterministic: !served.is_empty() && distinct.len() == 1,
+    };
+    if served.len() < outputs.len() {
+        found.notes.push(format!(
+            "determinism: {} of {} identical requests were not answered with text (status {})",
+            outputs.len() - served.len(),
+            outputs.len(),
+            outputs
+                .iter()
+                .find(|c| !c.served_text())
+                .map_or(0, |c| c.status)
+        ));
+    }
+    if !found.determinism.deterministic {
+        found.notes.push(format!(
+            "the server is not deterministic: {} identical greedy requests gave {} distinct outputs; \
+             output comparisons are skipped and only quoted canaries count",
+            outputs.len(),
+            distinct.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Victims per probe and shape, each with its own canary: a leak that
+/// maps two canaries to one output still shows among three.
+const CANARIES: usize = 3;
+
+/// Phase 2: does a probe's output depend on another request's canary?
+pub async fn noninterference(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    context: Option<usize>,
+    pool: Option<usize>,
+    found: &mut Found,
+) -> Result<(), BudgetSpent> {
+    let ctx = context.unwrap_or(2048);
+    // What the server can hold: the smaller of the context and the pool.
+    let hold = pool.map_or(ctx, |p| p.min(ctx));
+    let oversize = match pool {
+        Some(p) if p < ctx => filler(p + 16),
+        _ => filler(ctx * 3 / 2),
+    };
+    let probes = [
+        ("short probe", texts.words(12), 8usize),
+        ("oversize probe", oversize, 8),
+    ];
+    let shapes = [
+        ("short victim", 40usize),
+        ("long victim", hold * 3 / 5),
+        ("near-limit victim", hold * 9 / 10),
+    ];
+    let deterministic = found.determinism.deterministic;
+    for (probe_name, probe, probe_tokens) in &probes {
+        for (shape, tokens) in shapes {
+            let mut outs: Vec<(String, Completion)> = Vec::new();
+            for _ in 0..CANARIES {
+                let canary = texts.canary();
+                let v = ok_or_budget(
+                    client
+                        .complete(keys.victim, &victim_prompt(&canary, tokens), 4)
+                        .await,
+                )?;
+                if !v.served_text() && v.status >= 500 {
+                    found
+                        .notes
+                        .push(format!("{shape}: the victim request got {}", v.status));
+                }
+                let o = ok_or_budget(client.complete(keys.probe, probe, *probe_tokens).await)?;
+                outs.push((canary, o));
+            }
+            found.noninterference_pairs += 1;
+            judge(found, probe_name, shape, "sequential", &outs, deterministic);
+        }
+        // Concurrent: victim and probe in flight together (only a quoted
+        // canary counts: batch composition may change outputs legitimately).
+        let canary = texts.canary();
+        let victim = victim_prompt(&canary, 40);
+        let (v, o) = futures_util::future::join(
+            client.complete(keys.victim, &victim, 4),
+            client.complete(keys.probe, probe, *probe_tokens),
+        )
+        .await;
+        ok_or_budget(v)?;
+        let o = ok_or_budget(o)?;
+        judge(
+            found,
+            probe_name,
+            "short victim",
+            "concurrent",
+            &[(canary, o)],
+            false,
+        );
+    }
+    Ok(())
+}
+
+/// The findings of one probe's outputs, each after a victim with its canary.
+fn judge(
+    found: &mut Found,
+    probe: &str,
+    shape: &str,
+    mode: &str,
+    outs: &[(String, Completion)],
+    compare: bool,
+) {
+    for (canary, o) in outs {
+        let all: Vec<&String> = outs.iter().map(|(c, _)| c).collect();
+        if all
+            .iter()
+            .any(|c| o.text.contains(c.as_str()) || o.text.contains(&c[..8]))
+        {
+            found.findings.push(Finding {
+                rule: Rule::CanaryQuoted,
+                message: format!("the {probe}'s output ({mode}, after a {shape}) quoted a canary only the victim sent"),
+                evidence: serde_json::json!({"probe": probe, "victim": shape, "mode": mode, "canary": canary, "status": o.status}),
+            });
+            return;
+        }
+    }
+    let served: Vec<&Completion> = outs
+        .iter()
+        .map(|(_, o)| o)
+        .filter(|o| o.served_text())
+        .collect();
+    let mut distinct: Vec<&str> = served.iter().map(|o| o.text.as_str()).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if compare && served.len() == outs.len() && distinct.len() > 1 {
+        found.findings.push(Finding {
+            rule: Rule::OutputDependsOnOtherRequest,
+            message: format!(
+                "the {probe}'s greedy output ({mode}) changed when only the canary of the {shape} before it changed"
+            ),
+            evidence: serde_json::json!({
+                "probe": probe, "victim": shape, "mode": mode,
+                "canaries": outs.iter().map(|(c, _)| c).collect::<Vec<_>>(),
+                "output_hashes": served.iter().map(|o| hash(&o.text)).collect::<Vec<_>>(),
+                "output_chars": served.iter().map(|o| o.text.chars().count()).collect::<Vec<_>>(),
+            }),
+        });
+    }
+}
+
+/// Phase 3: prompts under, at and over the context; `max_tokens` past it.
+pub async fn limits(
+    client: &Client,
+    key: Option<&str>,
+    context: usize,
+    pool: Option<usize>,
+    found: &mut Found,
+) -> Result<(), BudgetSpent> {
+    let mut probes: Vec<(&'static str, usize, usize, bool)> = vec![
+        ("half the context", context / 2, 4, false),
+        ("at the context", context.saturating_sub(8), 4, false),
+        ("just over the context", context + 8, 4, true),
+        ("twice the context", context * 2, 4, true),
+        (
+            "max_tokens past the context",
+            context * 9 / 10,
+            context,
+            false,
+        ),
+    ];
+    if let Some(p) = pool.filter(|&p| p < context) {
+        probes.extend([
+            ("under the pool limit", p.saturating_sub(8), 4, false),
+            ("just over the pool limit", p + 8, 4, true),
+        ]);
+    }
+    for (name, words, max_tokens, over) in probes {
+        // What the server can hold for this probe.
+        let limit = if name.contains("pool") {
+            pool.unwrap_or(context)
+        } else {
+            context
+        };
+        let c = ok_or_budget(client.complete(key, &filler(words), max_tokens).await)?;
+        let total = c.prompt_tokens.zip(c.completion_tokens).map(|(p, n)| p + n);
+        let outcome = if c.status >= 500 {
+            found.findings.push(Finding {
+                rule: Rule::LimitNotClean,
+                message: format!("a prompt {name} got {}: {}", c.status, c.error.clone().unwrap_or_default()),
+                evidence: serde_json::json!({"probe": name, "prompt_words": words, "status": c.status}),
+            });
+            format!("{} (server error)", c.status)
+        } else if (400..500).contains(&c.status) {
+            format!(
+                "refused {}: {}",
+                c.status,
+                c.error.clone().unwrap_or_default()
+            )
+        } else if over
+            && c.served_text()
+            && (name == "twice the context" || c.prompt_tokens.is_none_or(|p| p as usize > limit))
+        {
+            found.findings.push(Finding {
+                rule: Rule::OversizePromptServed,
+                message: format!(
+                    "a prompt {name} (about {words} tokens, limit {limit}) was answered {} with text",
+                    c.status
+                ),
+                evidence: serde_json::json!({
+                    "probe": name, "prompt_words": words, "limit": limit, "status": c.status,
+                    "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                }),
+            });
+            format!("{} with text (finding)", c.status)
+        } else if total.is_some_and(|t| t as usize > context) {
+            found.findings.push(Finding {
+                rule: Rule::LimitNotClean,
+                message: format!("{name}: usage says {} tokens in a context of {context}", total.unwrap_or(0)),
+                evidence: serde_json::json!({"probe": name, "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens, "context": context}),
+            });
+            format!("{} past the context (finding)", c.status)
+        } else {
+            format!("served {} ({:?})", c.status, c.finish_reason)
+        };
+        found.limits.push(LimitProbe {
+            name,
+            prompt_words: words,
+            max_tokens,
+            status: c.status,
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: c.completion_tokens,
+            outcome,
+        });
+    }
+    Ok(())
+}
+
+/// Phase 4: the prefix cache seen through time to first token — with the
+/// same key (a hit must be visible, or no cache is detected) and with the
+/// other key (a hit there is a finding).
+pub async fn prefix_timing(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    context: Option<usize>,
+    samples: usize,
+    found: &mut Found,
+) -> Result<(), BudgetSpent> {
+    let words = (context.unwrap_or(2048) * 3 / 10).clamp(64, 1500);
+    let same = timing_arm(client, keys.victim, keys.victim, texts, words, samples).await?;
+    let cache_seen = same.ks.p < 0.01 && same.effect_ms > 0.0;
+    let same = Timing {
+        verdict: if cache_seen {
+            "cache detected: a repeated prefix speeds up the first token".into()
+        } else {
+            "no cache detected (not evidence of isolation)".into()
+        },
+        ..same
+    };
+    found.timing.push(same);
+    if keys.probe == keys.victim {
+        found
+            .notes
+            .push("prefix-cache timing across keys needs --other-api-key; not run".into());
+        return Ok(());
+    }
+    let mut other = timing_arm(client, keys.victim, keys.probe, texts, words, samples).await?;
+    other.name = "other key";
+    let shared = other.ks.p < 0.01 && other.effect_ms > 0.0;
+    other.verdict = match (shared, cache_seen) {
+        (true, _) => "hit across keys (finding)".into(),
+        (false, true) => "no hit across keys while the same key hits: isolated by key".into(),
+        (false, false) => {
+            "no hit across keys, but no cache was seen with one key either: inconclusive".into()
+        }
+    };
+    if shared {
+        found.findings.push(Finding {
+            rule: Rule::CrossKeyPrefixCache,
+            message: format!(
+                "a prefix warmed with one key made the other key's first token {:.1} ms faster (KS D = {:.2}, p = {:.2e})",
+                other.effect_ms, other.ks.d, other.ks.p
+            ),
+            evidence: serde_json::json!({"ks_d": other.ks.d, "p_value": other.ks.p, "effect_ms": other.effect_ms, "samples": other.samples}),
+        });
+    }
+    found.timing.push(other);
+    Ok(())
+}
+
+/// Warms a prefix with `warm_key`, then times `samples` requests of
+/// `probe_key` that share it against as many with fresh prefixes,
+/// interleaved.
+async fn timing_arm(
+    client: &Client,
+    warm_key: Option<&str>,
+    probe_key: Option<&str>,
+    texts: &mut Texts,
+    words: usize,
+    samples: usize,
+) -> Result<Timing, BudgetSpent> {
+    let before = client.sent();
+    let prefix = texts.words(words);
+    ok_or_budget(
+        client
+            .complete(warm_key, &format!("{prefix} warm"), 1)
+            .await,
+    )?;
+    let (mut hit, mut miss) = (Vec::new(), Vec::new());
+    for i in 0..samples {
+        let suffix = format!(" question {i}");
+        if let Some(t) = ok_or_budget(
+            client
+                .time_to_first_token(probe_key, &format!("{prefix}{suffix}"))
+                .await,
+        )? {
+            hit.push(ms(t));
+        }
+        let fresh = texts.words(words);
+        if let Some(t) = ok_or_budget(
+            client
+                .time_to_first_token(probe_key, &format!("{fresh}{suffix}"))
+                .await,
+        )? {
+            miss.push(ms(t));
+        }
+    }
+    let (hm, mm) = (median(&hit), median(&miss));
+    let ks = if hit.is_empty() || miss.is_empty() {
+        Ks { d: 0.0, p: 1.0 }
+    } else {
+        ks::two_sample(&hit, &miss)
+    };
+    Ok(Timing {
+        name: "same key",
+        samples: hit.len().min(miss.len()),
+        hit_median_ms: hm,
+        miss_median_ms: mm,
+        effect_ms: mm - hm,
+        ks,
+        requests: client.sent() - before,
+        verdict: String::new(),
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// A request's answer, a spent budget (ends the phase), or a failed request
+/// (its error kept as a 599 answer: no status came back).
+fn ok_or_budget<T: Default + From<Failed>>(r: anyhow::Result<T>) -> Result<T, BudgetSpent> {
+    match r {
+        Ok(v) => Ok(v),
+        Err(e) => match e.downcast::<BudgetSpent>() {
+            Ok(spent) => Err(spent),
+            Err(e) => Ok(T::from(Failed(e.to_string()))),
+        },
+    }
+}
+
+/// A request that got no answer (connection refused mid-audit, timeout).
+pub struct Failed(pub String);
+
+impl From<Failed> for Completion {
+    fn from(f: Failed) -> Completion {
+        Completion {
+            status: 599,
+            error: Some(f.0),
+            ..Completion::default()
+        }
+    }
+}
+
+impl From<Failed> for Option<Duration> {
+    fn from(_: Failed) -> Option<Duration> {
+        None
+    }
+}

@@ -1,0 +1,144 @@
+//! The audit's report: text for people, JSON for programs, SARIF 2.1.0 for
+//! code-scanning tools (one rule per finding kind, the evidence in each
+//! result). No prompt text appears beyond the canaries the audit made up.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::probes::{Found, Rule};
+
+/// What an audit of one server found.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub base_url: String,
+    pub model: String,
+    pub context_length: Option<usize>,
+    pub requests_sent: usize,
+    pub budget: usize,
+    pub budget_spent: bool,
+    pub cross_tenant: bool,
+    #[serde(flatten)]
+    pub found: Found,
+}
+
+impl Report {
+    /// The human report.
+    pub fn text(&self) -> String {
+        let mut t = String::new();
+        let _ = writeln!(
+            t,
+            "kvsan audit of {} (model {}, context {}): {} requests of a budget of {}{}",
+            self.base_url,
+            self.model,
+            self.context_length
+                .map_or_else(|| "unknown".to_string(), |c| c.to_string()),
+            self.requests_sent,
+            self.budget,
+            if self.budget_spent {
+                " (spent: the audit stopped early)"
+            } else {
+                ""
+            }
+        );
+        let d = &self.found.determinism;
+        let _ = writeln!(
+            t,
+            "  determinism: {} identical greedy requests, {} distinct output(s): {}",
+            d.requests,
+            d.distinct_outputs,
+            if d.deterministic {
+                "deterministic"
+            } else {
+                "NOT deterministic"
+            }
+        );
+        let _ = writeln!(
+            t,
+            "  noninterference: {} probe/victim comparisons ({})",
+            self.found.noninterference_pairs,
+            if self.cross_tenant {
+                "probe and victim on different keys"
+            } else {
+                "one key: cross-request only"
+            }
+        );
+        for l in &self.found.limits {
+            let _ = writeln!(t, "  limit: {:<28} {}", l.name, l.outcome);
+        }
+        for tm in &self.found.timing {
+            let _ = writeln!(
+                t,
+                "  prefix timing, {}: hit {:.1} ms vs miss {:.1} ms (effect {:.1} ms), KS D = {:.2}, p = {:.2e}, {} samples, {} requests: {}",
+                tm.name,
+                tm.hit_median_ms,
+                tm.miss_median_ms,
+                tm.effect_ms,
+                tm.ks.d,
+                tm.ks.p,
+                tm.samples,
+                tm.requests,
+                tm.verdict
+            );
+        }
+        for n in &self.found.notes {
+            let _ = writeln!(t, "  note: {n}");
+        }
+        if self.found.findings.is_empty() {
+            let _ = writeln!(t, "no findings");
+        } else {
+            let _ = writeln!(t, "{} finding(s):", self.found.findings.len());
+            for f in &self.found.findings {
+                let _ = writeln!(t, "  [{}] {}", f.rule.id(), f.message);
+            }
+        }
+        t
+    }
+
+    /// SARIF 2.1.0.
+    pub fn sarif(&self) -> Value {
+        let rules: Vec<Value> = Rule::ALL
+            .iter()
+            .map(|r| {
+                json!({
+                    "id": r.id(),
+                    "shortDescription": {"text": r.description()},
+                    "defaultConfiguration": {"level": "error"},
+                })
+            })
+            .collect();
+        let results: Vec<Value> = self
+            .found
+            .findings
+            .iter()
+            .map(|f| {
+                json!({
+                    "ruleId": f.rule.id(),
+                    "ruleIndex": Rule::ALL.iter().position(|r| *r == f.rule),
+                    "level": "error",
+                    "message": {"text": f.message},
+                    "locations": [{"physicalLocation": {"artifactLocation": {"uri": self.base_url}}}],
+                    "properties": {"evidence": f.evidence},
+                })
+            })
+            .collect();
+        json!({
+            "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+            "version": "2.1.0",
+            "runs": [{
+                "tool": {"driver": {
+                    "name": "kvsan audit",
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "rules": rules,
+                }},
+                "results": results,
+                "properties": {
+                    "model": self.model,
+                    "requests_sent": self.requests_sent,
+                    "deterministic": self.found.determinism.deterministic,
+                },
+            }],
+        })
+    }
+}
