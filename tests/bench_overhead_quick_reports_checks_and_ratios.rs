@@ -54,9 +54,11 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
     let shim = shim_common::shim_library();
     let out = std::env::temp_dir().join(format!("kvsan-bench-quick-{}", std::process::id()));
     let shim_arg = shim.display().to_string();
-    let doc = run_quick(&["--shim", &shim_arg], &out);
+    // One kernel thread per timed run (KVSAN_THREADS), recorded in the JSON.
+    let doc = run_quick(&["--shim", &shim_arg, "--threads", "1"], &out);
 
     assert_eq!(doc["rounds"], 1);
+    assert_eq!(doc["threads"], 1);
     assert_eq!(doc["workloads"].as_array().map(Vec::len), Some(1));
     let workload = doc["workloads"][0]["name"].as_str().expect("workload name");
     assert!(workload.starts_with("synthetic"), "{workload}");
