@@ -36,25 +36,28 @@ enum Command {
     Audit(commands::audit::Args),
 }
 
+/// `kvsan audit`'s exit status, like a linter's: 0 nothing found, 1
+/// findings, 2 the audit could not run.
+fn audit(args: &commands::audit::Args) -> ExitCode {
+    match commands::audit::run(args) {
+        Ok(commands::audit::Outcome::Clean) => ExitCode::SUCCESS,
+        Ok(commands::audit::Outcome::Findings) => ExitCode::from(1),
+        Err(err) => {
+            output::print_error(&err, args.json);
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::Audit(args) = &cli.command {
-        return match commands::audit::run(args) {
-            Ok(commands::audit::Outcome::Clean) => ExitCode::SUCCESS,
-            Ok(commands::audit::Outcome::Findings) => ExitCode::from(1),
-            Err(err) => {
-                output::print_error(&err, args.json);
-                ExitCode::from(2)
-            }
-        };
-    }
     let (json, result) = match cli.command {
         Command::Generate(args) => (args.json, commands::generate::run(&args)),
         Command::Tokenize(args) => (args.json, commands::tokenize::run(&args)),
         Command::Serve(args) => (false, commands::serve::run(&args)),
         Command::Replay(args) => (args.json, commands::replay::run(&args)),
         Command::Bench(args) => (args.json(), commands::bench::run(&args)),
-        Command::Audit(_) => unreachable!("handled above"),
+        Command::Audit(args) => return audit(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -63,3 +63,21 @@ fn a_buffer_no_kernel_could_use_is_refused_naming_the_row_and_reports_nothing() 
         "{err}"
     );
 }
+
+#[test]
+fn a_length_far_past_the_buffer_is_refused_without_allocating_for_it() {
+    let f = fixture();
+    pages(&f);
+    let err = f
+        .san
+        .check_block_table(f.decode, &[A], &[0, 1], 2, &[i32::MAX], ALL, 2)
+        .unwrap_err();
+    assert!(
+        matches!(err, SanitizerError::BadBatch { row: 0, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("past the buffer's 2 entries"),
+        "{err}"
+    );
+}

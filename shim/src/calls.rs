@@ -265,13 +265,9 @@ unsafe fn page_refs<'a>(
     ptr: *const KvsanPageRef,
     len: usize,
 ) -> Result<&'a [PageRef], ShimError> {
-    check_array(call, argument, ptr, len)?;
-    if len == 0 {
-        return Ok(&[]);
-    }
-    // SAFETY: non-null and aligned (checked), `len` readable elements (the
-    // caller's contract); `PageRef` has `KvsanPageRef`'s layout.
-    Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<PageRef>(), len) })
+    // SAFETY: the caller's contract on `ptr`; `PageRef` has
+    // `KvsanPageRef`'s layout.
+    unsafe { slice(call, argument, ptr.cast::<PageRef>(), len) }
 }
 
 /// The geometry at `g`.

@@ -59,7 +59,7 @@ pub struct Args {
     /// Requests the audit may send at most.
     #[arg(long, value_name = "REQUESTS", default_value_t = 200)]
     pub budget: usize,
-    /// Requests in flight at once in the concurrent probes.
+    /// Identical requests sent at once in the determinism phase.
     #[arg(long, default_value_t = 3)]
     pub concurrency: usize,
     /// Seconds one request may take.
@@ -93,8 +93,14 @@ pub enum Outcome {
 /// The audit could not run: bad arguments, the server unreachable or
 /// refusing the key, a SARIF file that cannot be written.
 pub fn run(args: &Args) -> anyhow::Result<Outcome> {
-    if args.budget == 0 || args.concurrency == 0 || args.timing_samples == 0 {
-        anyhow::bail!("--budget, --concurrency and --timing-samples must be at least 1");
+    for (flag, value) in [
+        ("--budget", args.budget),
+        ("--concurrency", args.concurrency),
+        ("--timing-samples", args.timing_samples),
+    ] {
+        if value == 0 {
+            anyhow::bail!("{flag} 0: must be at least 1");
+        }
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

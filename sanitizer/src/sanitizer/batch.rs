@@ -60,7 +60,8 @@ impl Sanitizer {
         for (row, &len) in seq_lens.iter().enumerate() {
             let tokens = count(LAYOUT, row, "seq_lens", len)?;
             let entries = tokens.div_ceil(ps);
-            let mut table = Vec::with_capacity(entries);
+            // A length past the buffer fails below; never allocate for it.
+            let mut table = Vec::with_capacity(entries.min(block_table.len()));
             for entry in 0..entries {
                 let at = row.saturating_mul(stride).saturating_add(entry);
                 let Some(&index) = block_table.get(at) else {

@@ -320,19 +320,22 @@ fn judge(
     outs: &[(String, Completion)],
     compare: bool,
 ) {
-    for (canary, o) in outs {
-        let all: Vec<&String> = outs.iter().map(|(c, _)| c).collect();
-        if all
-            .iter()
-            .any(|c| o.text.contains(c.as_str()) || o.text.contains(&c[..8]))
-        {
-            found.findings.push(Finding {
-                rule: Rule::CanaryQuoted,
-                message: format!("the {probe}'s output ({mode}, after a {shape}) quoted a canary only the victim sent"),
-                evidence: serde_json::json!({"probe": probe, "victim": shape, "mode": mode, "canary": canary, "status": o.status}),
-            });
-            return;
-        }
+    // A canary, or its first half, anywhere in any probe output.
+    let quoted = outs.iter().find_map(|(_, o)| {
+        outs.iter()
+            .map(|(c, _)| c)
+            .find(|c| o.text.contains(&c[..8]))
+            .map(|c| (c, o.status))
+    });
+    if let Some((canary, status)) = quoted {
+        found.findings.push(Finding {
+            rule: Rule::CanaryQuoted,
+            message: format!(
+                "the {probe}'s output ({mode}, after a {shape}) quoted a canary only the victim sent"
+            ),
+            evidence: serde_json::json!({"probe": probe, "victim": shape, "mode": mode, "canary": canary, "status": status}),
+        });
+        return;
     }
     let served: Vec<&Completion> = outs
         .iter()
@@ -599,5 +602,54 @@ impl From<Failed> for Completion {
 impl From<Failed> for Option<Duration> {
     fn from(_: Failed) -> Option<Duration> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(canary: &str, text: &str) -> (String, Completion) {
+        (
+            canary.to_string(),
+            Completion {
+                status: 200,
+                text: text.to_string(),
+                ..Completion::default()
+            },
+        )
+    }
+
+    #[test]
+    fn a_probe_quoting_half_a_canary_is_a_finding_naming_that_canary() {
+        let mut found = Found::default();
+        let outs = [
+            out("0123456789abcdef", "nothing here"),
+            out("fedcba9876543210", "the code 01234567 leaked"),
+        ];
+        judge(&mut found, "probe", "victim", "sequential", &outs, true);
+        assert_eq!(found.findings.len(), 1);
+        assert_eq!(found.findings[0].rule, Rule::CanaryQuoted);
+        assert_eq!(found.findings[0].evidence["canary"], "0123456789abcdef");
+    }
+
+    #[test]
+    fn outputs_that_change_with_the_canary_are_a_finding_only_on_a_deterministic_server() {
+        let outs = [
+            out("0123456789abcdef", "moon"),
+            out("fedcba9876543210", "universe"),
+        ];
+        let mut found = Found::default();
+        judge(&mut found, "probe", "victim", "sequential", &outs, true);
+        assert_eq!(found.findings[0].rule, Rule::OutputDependsOnOtherRequest);
+        let mut found = Found::default();
+        judge(&mut found, "probe", "victim", "sequential", &outs, false);
+        assert!(found.findings.is_empty());
+        let same = [
+            out("0123456789abcdef", "moon"),
+            out("fedcba9876543210", "moon"),
+        ];
+        judge(&mut found, "probe", "victim", "sequential", &same, true);
+        assert!(found.findings.is_empty());
     }
 }
