@@ -138,7 +138,10 @@ fn a_bad_kvsan_options_refuses_to_attach_loudly_and_the_program_runs_on() {
 
 /// A C engine's prefix cache: `kvsan_share` follows `prefix_share` (the
 /// default `tenant`, and `salt` with `kvsan_declare_salt`), refusing a
-/// share across the policy's line and one of a page not yet filled.
+/// share across the policy's line and one of a page not yet filled; the
+/// cache itself holds pages as `KVSAN_PREFIX_CACHE_REQUEST` past their
+/// writer's free and after its own eviction while a request shares them,
+/// and a page it holds is read-only to its owner.
 #[test]
 fn a_c_prefix_cache_shares_only_what_the_policy_allows_and_only_full_pages() {
     let exe = shim_common::compile_c(
@@ -149,11 +152,18 @@ fn a_c_prefix_cache_shares_only_what_the_policy_allows_and_only_full_pages() {
         (
             "tenant",
             &[
+                "cache registers the full page: continue",
+                "cache registers the half-written page: unwritten-share",
+                "writer lets go of the cached page: continue",
                 "same tenant: continue",
                 "same tenant reads the shared page: continue",
                 "other tenant: cross-domain-share",
                 "half-written page: unwritten-share",
-                "violations: 2",
+                "cache evicts the page a request still shares: continue",
+                "same tenant reads it after the eviction: continue",
+                "cache registers another page: continue",
+                "writer writes the page the cache holds: foreign-write",
+                "violations: 4",
             ][..],
         ),
         (
@@ -183,6 +193,14 @@ fn a_c_prefix_cache_shares_only_what_the_policy_allows_and_only_full_pages() {
             stderr.contains("kvsan: ERROR: cross-domain-share"),
             "{stderr}"
         );
+        if policy == "tenant" {
+            // The cache is named as such, never by its reserved number.
+            assert!(
+                stderr.contains("kvsan: ERROR: unwritten-share in prefix cache (tenant 7)"),
+                "{stderr}"
+            );
+            assert!(!stderr.contains("18446744073709551615"), "{stderr}");
+        }
         assert!(
             !stderr.contains("5eed") && !stderr.contains("24301"),
             "{stderr}"

@@ -53,7 +53,8 @@ fn rows() -> Vec<(String, i64, String)> {
         KvsanHookTable { size, version_major, version_minor, flags, quarantine_pages, ctx,
                          pool_register, request_event, alloc, free, write, read,
                          transfer_send, transfer_recv, transfer_commit,
-                         kernel_shadow, kernel_refusal, request_event_at }
+                         kernel_shadow, kernel_refusal, request_event_at,
+                         share, declare_salt }
         KvsanKernelShadow { size, layout_version, pages, page_slots, layers, record_size,
                             stride_words, reserved, records, bits, counters }
         KvsanKernelAccess { op, layer, page, slots, entry, reserved }
@@ -70,6 +71,11 @@ fn rows() -> Vec<(String, i64, String)> {
     constant("KVSAN_VERDICT_ABORT", KVSAN_VERDICT_ABORT.into());
     constant("KVSAN_VERDICT_ERROR", KVSAN_VERDICT_ERROR.into());
     constant("KVSAN_FLAG_POISON", KVSAN_FLAG_POISON.into());
+    // u64::MAX both sides, printed through `long long`.
+    constant(
+        "KVSAN_PREFIX_CACHE_REQUEST",
+        kvsan_sanitizer::RequestId::PREFIX_CACHE.0 as i64,
+    );
     for (name, op) in [
         ("KVSAN_ACCESS_READ", AccessOp::Read),
         ("KVSAN_ACCESS_STORE", AccessOp::Store),
@@ -139,8 +145,9 @@ fn every_size_offset_and_constant_of_kvsan_h_equals_the_rust_abi() {
     );
     // The documented LP64 sizes.
     for (label, want) in [
-        ("sizeof KvsanHookTable", 120),
+        ("sizeof KvsanHookTable", 136),
         ("offsetof KvsanHookTable.kernel_shadow", 96),
+        ("offsetof KvsanHookTable.share", 120),
         ("sizeof KvsanKernelShadow", 56),
         ("sizeof KvsanKernelAccess", 32),
         ("sizeof KvsanManifest", 80),

@@ -6,10 +6,10 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use kvsan_engine::hooks::ctable::{
-    CTableHooks, HOOK_TABLE_V1_0_SIZE, HOOK_TABLE_VERSION_MAJOR, KVSAN_FLAG_POISON,
-    KVSAN_VERDICT_ABORT, KVSAN_VERDICT_CONTINUE, KvsanHookTable, KvsanKernelAccess,
-    KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange,
-    KvsanVerdict, event_from_code, slice_or_empty,
+    CTableHooks, HOOK_TABLE_V1_0_SIZE, HOOK_TABLE_V1_1_SIZE, HOOK_TABLE_VERSION_MAJOR,
+    KVSAN_FLAG_POISON, KVSAN_VERDICT_ABORT, KVSAN_VERDICT_CONTINUE, KvsanHookTable,
+    KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageRef,
+    KvsanPoolGeometry, KvsanRange, KvsanVerdict, event_from_code, slice_or_empty,
 };
 use kvsan_engine::hooks::{HookTarget, Hooks, Verdict};
 use kvsan_sanitizer::{
@@ -208,12 +208,28 @@ unsafe extern "C" fn request_event_at(
     out(unsafe { san(ctx) }.request_event_at(PoolId(pool), owner.into(), event))
 }
 
-/// A version-1.1 table forwarding to `sanitizer`.
+unsafe extern "C" fn share(
+    ctx: *mut c_void,
+    pool: u32,
+    page: KvsanPageRef,
+    sharer: KvsanOwner,
+) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.share(PoolId(pool), page.into(), sharer.into()))
+}
+
+unsafe extern "C" fn declare_salt(ctx: *mut c_void, owner: KvsanOwner, salt: u64) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    unsafe { san(ctx) }.declare_salt(owner.into(), salt);
+    KvsanVerdict::CONTINUE
+}
+
+/// A version-1.2 table forwarding to `sanitizer`.
 fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
     KvsanHookTable {
         size: size_of::<KvsanHookTable>() as u32,
         version_major: HOOK_TABLE_VERSION_MAJOR,
-        version_minor: 1,
+        version_minor: 2,
         flags: KVSAN_FLAG_POISON,
         quarantine_pages: 3,
         ctx: Arc::as_ptr(sanitizer).cast_mut().cast(),
@@ -229,6 +245,8 @@ fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
         kernel_shadow: Some(kernel_shadow),
         kernel_refusal: Some(kernel_refusal),
         request_event_at: Some(request_event_at),
+        share: Some(share),
+        declare_salt: Some(declare_salt),
     }
 }
 
@@ -269,6 +287,8 @@ fn a_version_1_0_table_is_attached_without_a_kernel_shadow() {
     t.kernel_shadow = None;
     t.kernel_refusal = None;
     t.request_event_at = None;
+    t.share = None;
+    t.declare_salt = None;
     // SAFETY: a whole table on the stack (larger than its declared size).
     let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(&t) }.expect("attached"));
     let pool = hooks.pool_register(&geometry(), PoolId(99));
@@ -279,9 +299,76 @@ fn a_version_1_0_table_is_attached_without_a_kernel_shadow() {
 fn a_version_1_1_table_with_a_null_kernel_hook_is_not_attached() {
     let s = sanitizer();
     let mut t = forwarding_table(&s);
+    t.size = HOOK_TABLE_V1_1_SIZE as u32;
+    t.version_minor = 1;
     t.kernel_refusal = None;
     let e = rejection(&t);
     assert!(e.contains("`kernel_refusal`"), "{e}");
+}
+
+#[test]
+fn a_version_1_2_table_with_a_null_share_hook_is_not_attached() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.share = None;
+    let e = rejection(&t);
+    assert!(e.contains("`share`"), "{e}");
+}
+
+/// A 1.1 library (no share hooks) is attached; the engine's shares then
+/// continue unchecked, without a call past the table's end.
+#[test]
+fn a_version_1_1_table_is_attached_and_its_shares_continue_unchecked() {
+    let s = Arc::new(Sanitizer::with_writer(
+        Options::parse("prefix_share=off").unwrap(),
+        std::io::sink(),
+    ));
+    let mut t = forwarding_table(&s);
+    t.size = HOOK_TABLE_V1_1_SIZE as u32;
+    t.version_minor = 1;
+    // Past its size the engine reads nothing: a call through these would
+    // be a bug (and under prefix_share=off a violation).
+    t.share = Some(share);
+    t.declare_salt = Some(declare_salt);
+    // SAFETY: a whole table on the stack (larger than its declared size),
+    // its ctx the live sanitizer `s`.
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(&t) }.expect("attached"));
+    let pool = hooks.pool_register(&geometry(), PoolId(99));
+    let owner = Owner {
+        request: RequestId(1),
+        tenant: TenantId(7),
+    };
+    let page = PageRef {
+        page: PageId(0),
+        generation: Generation(1),
+    };
+    assert!(hooks.alloc(pool, owner, page, 1).is_continue());
+    let other = Owner {
+        request: RequestId(2),
+        tenant: TenantId(7),
+    };
+    assert!(hooks.declare_salt(other, 5).is_continue());
+    assert!(hooks.share(pool, page, other).is_continue());
+    assert_eq!(s.violation_count(), 0);
+    assert!(
+        !s.page_info(pool, page.page).unwrap().shared,
+        "never called"
+    );
+}
+
+#[test]
+fn without_a_target_share_and_declare_salt_continue() {
+    let hooks = Hooks::none();
+    let owner = Owner {
+        request: RequestId::PREFIX_CACHE,
+        tenant: TenantId(1),
+    };
+    let page = PageRef {
+        page: PageId(0),
+        generation: Generation(1),
+    };
+    assert!(hooks.share(PoolId(0), page, owner).is_continue());
+    assert!(hooks.declare_salt(owner, 9).is_continue());
 }
 
 fn geometry() -> PoolGeometry {
@@ -332,6 +419,106 @@ fn a_larger_table_of_a_newer_minor_version_is_attached() {
     let hooks = unsafe { CTableHooks::from_raw(&raw const t.base) }.expect("attached");
     assert_eq!(hooks.version(), (1, 3));
     assert_eq!(t.extra, [0; 2]);
+}
+
+/// A table that says 1.2 but is only as large as a 1.1 table: the engine
+/// uses the 1.1 hooks it covers and reads nothing past its size.
+#[test]
+fn a_table_too_small_for_its_minor_version_is_used_as_far_as_its_size_goes() {
+    let s = sanitizer();
+    let mut t = forwarding_table(&s);
+    t.size = HOOK_TABLE_V1_1_SIZE as u32;
+    t.share = None;
+    t.declare_salt = None;
+    // SAFETY: a whole table on the stack (larger than its declared size).
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(&t) }.expect("attached"));
+    let pool = hooks.pool_register(&geometry(), PoolId(99));
+    assert!(
+        hooks.kernel_shadow(pool).is_some(),
+        "the 1.1 hooks are used"
+    );
+    let page = PageRef {
+        page: PageId(0),
+        generation: Generation(1),
+    };
+    let owner = Owner {
+        request: RequestId(1),
+        tenant: TenantId(7),
+    };
+    assert!(hooks.share(pool, page, owner).is_continue());
+}
+
+/// Through a 1.2 table the prefix cache's shares are checked: it registers
+/// a filled page, the writer lets go, a request of its tenant shares it,
+/// another tenant's is refused, and a page not filled is not registered.
+#[test]
+fn through_the_c_table_the_prefix_cache_holds_pages_and_shares_are_checked() {
+    let s = sanitizer();
+    let t = Box::leak(Box::new(forwarding_table(&s)));
+    // SAFETY: a whole table, leaked for the process; ctx is `s`, kept alive below.
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(t) }.expect("attached"));
+    let pool = hooks.pool_register(&geometry(), PoolId(99));
+    let writer = Owner {
+        request: RequestId(1),
+        tenant: TenantId(7),
+    };
+    let cache = Owner {
+        request: RequestId::PREFIX_CACHE,
+        tenant: writer.tenant,
+    };
+    let hit = Owner {
+        request: RequestId(2),
+        tenant: TenantId(7),
+    };
+    let stranger = Owner {
+        request: RequestId(3),
+        tenant: TenantId(9),
+    };
+    for o in [writer, hit, stranger] {
+        assert!(hooks.declare_salt(o, 0).is_continue());
+    }
+    let full = PageRef {
+        page: PageId(0),
+        generation: Generation(1),
+    };
+    let half = PageRef {
+        page: PageId(1),
+        generation: Generation(1),
+    };
+    assert!(hooks.alloc(pool, writer, full, 1).is_continue());
+    assert!(hooks.alloc(pool, writer, half, 1).is_continue());
+    let shadow = hooks.kernel_shadow(pool).expect("a kernel shadow");
+    let view = shadow.view();
+    for layer in 0..2 {
+        for slot in 0..4 {
+            assert_eq!(view.store(writer.request, full, layer, slot, 2), Check::Ok);
+        }
+        assert_eq!(view.store(writer.request, half, layer, 0, 2), Check::Ok);
+    }
+    assert!(hooks.share(pool, full, cache).is_continue());
+    assert_eq!(
+        hooks.share(pool, half, cache).kind(),
+        Some(ViolationKind::UnwrittenShare)
+    );
+    // The writer's store into the page the cache holds is refused.
+    assert_eq!(
+        view.store(writer.request, full, 0, 0, 3),
+        Check::Refused(ViolationKind::ForeignWrite)
+    );
+    assert!(hooks.free(pool, writer, full, 3).is_continue());
+    assert!(hooks.share(pool, full, hit).is_continue());
+    assert_eq!(view.check_read(hit.request, full, 1, 4), Check::Arbitrate);
+    assert_eq!(
+        hooks.share(pool, full, stranger).kind(),
+        Some(ViolationKind::CrossDomainShare)
+    );
+    assert!(hooks.free(pool, cache, full, 4).is_continue());
+    assert!(hooks.free(pool, hit, full, 5).is_continue());
+    assert_eq!(
+        s.page_info(pool, full.page).unwrap().state,
+        kvsan_sanitizer::PageState::Quarantined
+    );
+    assert_eq!(s.violation_count(), 2);
 }
 
 #[test]

@@ -81,6 +81,30 @@ impl PageRef {
 #[cfg_attr(feature = "serde", derive(serde::Serialize), serde(transparent))]
 pub struct RequestId(pub u64);
 
+impl RequestId {
+    /// The engine's prefix cache as a page holder (`u64::MAX`; C:
+    /// `KVSAN_PREFIX_CACHE_REQUEST`), never a request.
+    ///
+    /// The cache keeps full pages after the request that wrote them has
+    /// let go: it takes a read-only reference with
+    /// `share(pool, page, Owner { request: PREFIX_CACHE, tenant: <the
+    /// writer's tenant> })` when it registers a page and lets go of it
+    /// with `free` of the same owner when it evicts the page. The
+    /// sanitizer keeps no lifecycle for it (it allocates, reads and
+    /// writes nothing, and never ends), exempts its shares from the
+    /// isolation policy (it never reads; a request's share from the cache
+    /// is checked against the policy), and reports name it "prefix cache".
+    /// An engine numbers its requests below it.
+    pub const PREFIX_CACHE: RequestId = RequestId(u64::MAX);
+
+    /// Whether this is [`RequestId::PREFIX_CACHE`].
+    #[inline]
+    #[must_use]
+    pub const fn is_prefix_cache(self) -> bool {
+        self.0 == RequestId::PREFIX_CACHE.0
+    }
+}
+
 /// Who pays: the API key / tenant a request belongs to.
 #[repr(transparent)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -135,8 +159,13 @@ impl fmt::Display for PageRef {
 }
 
 impl fmt::Display for RequestId {
+    /// `request 7`, or `prefix cache` for [`RequestId::PREFIX_CACHE`].
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "request {}", self.0)
+        if self.is_prefix_cache() {
+            f.write_str("prefix cache")
+        } else {
+            write!(f, "request {}", self.0)
+        }
     }
 }
 
@@ -148,7 +177,7 @@ impl fmt::Display for TenantId {
 
 impl fmt::Display for Owner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "request {} (tenant {})", self.request.0, self.tenant.0)
+        write!(f, "{} (tenant {})", self.request, self.tenant.0)
     }
 }
 
@@ -161,6 +190,22 @@ mod tests {
         assert_eq!(std::mem::size_of::<PageRef>(), 8);
         assert_eq!(std::mem::align_of::<PageRef>(), 4);
         assert_eq!(std::mem::offset_of!(PageRef, generation), 4);
+    }
+
+    #[test]
+    fn the_prefix_cache_holder_displays_as_such_and_requests_by_number() {
+        assert_eq!(RequestId(7).to_string(), "request 7");
+        assert_eq!(
+            Owner::new(7, 2).to_string(),
+            "request 7 (tenant 2)",
+            "reports and goldens depend on this form"
+        );
+        let cache = Owner {
+            request: RequestId::PREFIX_CACHE,
+            tenant: TenantId(2),
+        };
+        assert_eq!(cache.to_string(), "prefix cache (tenant 2)");
+        assert!(RequestId::PREFIX_CACHE.is_prefix_cache() && !RequestId(7).is_prefix_cache());
     }
 
     #[test]

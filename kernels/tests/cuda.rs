@@ -929,6 +929,14 @@ fn store_scenario() -> Stores {
     let p9 = w.alloc(9, 20);
     let p10 = w.alloc(10, 29);
     let _leak = w.san.request_event(owner(29), RequestState::Finished);
+    // A full page the prefix cache holds: read-only to its owner too.
+    let p11 = w.alloc_written(11, 30, 0..4);
+    let cache = Owner {
+        request: RequestId::PREFIX_CACHE,
+        tenant: owner(30).tenant,
+    };
+    let shared = w.san.share(w.pool, p11, cache).expect("share");
+    assert!(shared.is_continue(), "the cache registers p11: {shared:?}");
     let outside = PageRef::new(SMALL_PAGES as u32 + 1, 1);
     let at = |page: PageRef, slot: u32| StoreSlot { page, slot };
     let batch = Batch::new(
@@ -944,6 +952,7 @@ fn store_scenario() -> Stores {
             (27, vec![p8, p9], 3, vec![at(p8, 0), at(p9, 0), at(p8, 1)]), // 7: 2nd refused
             (28, vec![outside], 1, vec![at(outside, 0)]), // 8: outside the pool
             (29, vec![p10], 1, vec![at(p10, 0)]), // 9: terminal owner
+            (30, vec![p11], 1, vec![at(p11, 0)]), // 10: its page, shared
         ],
     );
     let checked = |kind| (Reason::Checked, Some(Check::Refused(kind)));
@@ -956,6 +965,7 @@ fn store_scenario() -> Stores {
         (7, 1, p9, checked(ViolationKind::ForeignWrite)),
         (8, 0, outside, out),
         (9, 0, p10, checked(ViolationKind::TerminalRequestActivity)),
+        (10, 0, p11, checked(ViolationKind::ForeignWrite)),
     ]
     .into_iter()
     .map(|(row, i, page, (reason, check))| (row, i, page, reason, check))

@@ -14,12 +14,14 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!
-//!  KvsanHookTable (120 bytes on LP64, #[repr(C)], version 1.1)
+//!  KvsanHookTable (136 bytes on LP64, #[repr(C)], version 1.2; a 1.1 table
+//!  ends after request_event_at, 120 bytes; a 1.0 table before
+//!  kernel_shadow, 96 bytes)
 //!  offset size
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
 //!  |  4 |  2 | version_major   u16  1; another major is not attached          |
-//!  |  6 |  2 | version_minor   u16  0; a newer minor only appends fields      |
+//!  |  6 |  2 | version_minor   u16  2; a newer minor only appends fields      |
 //!  |  8 |  4 | flags           u32  bit 0 KVSAN_FLAG_POISON: poison freed pages|
 //!  | 12 |  4 | quarantine_pages u32 freed pages held back before reuse       |
 //!  | 16 |  8 | ctx             void* passed as first argument to every hook  |
@@ -39,6 +41,8 @@
 //!  |104 |  8 | kernel_refusal  (ctx, u32 pool, KvsanOwner,               1.1  |
 //!  |    |    |                  const KvsanKernelAccess*, u64 step)           |
 //!  |112 |  8 | request_event_at (ctx, u32 pool, KvsanOwner, u32 event)   1.1  |
+//!  |120 |  8 | share           (ctx, u32 pool, KvsanPageRef, KvsanOwner) 1.2  |
+//!  |128 |  8 | declare_salt    (ctx, KvsanOwner, u64 salt)               1.2  |
 //!  +----+----+---------------------------------------------------------------+
 //!  every hook returns KvsanVerdict by value:
 //!  +----+----+---------------------------------------------------------------+
@@ -68,6 +72,12 @@
 //!  request events:  0 queued 1 admitted 2 prefilling 3 transferring
 //!                   4 decoding 5 finished 6 rejected 7 aborted
 //! ```
+//!
+//! `share` gives a request (or the prefix cache itself, with the reserved
+//! request id `KVSAN_PREFIX_CACHE_REQUEST`, [`RequestId::PREFIX_CACHE`]) a
+//! read-only reference to a page, released with `free`; `declare_salt`
+//! sets a request's cache salt before it takes pages. A 1.1 library has
+//! neither: an engine then shares pages unchecked.
 //!
 //! `request_event` moves the whole process's view of a request;
 //! `request_event_at` moves the view of the node that owns `pool` only, so
@@ -111,7 +121,7 @@ pub const HOOK_TABLE_SYMBOL: &CStr = c"kvsan_hook_table_v1";
 /// The table's major version (another major is not compatible).
 pub const HOOK_TABLE_VERSION_MAJOR: u16 = 1;
 /// The table's minor version (a newer minor only appends fields).
-pub const HOOK_TABLE_VERSION_MINOR: u16 = 1;
+pub const HOOK_TABLE_VERSION_MINOR: u16 = 2;
 /// `flags` bit: poison-fill freed pages.
 pub const KVSAN_FLAG_POISON: u32 = 1;
 /// Verdict code: go on.
@@ -382,6 +392,11 @@ pub type KernelShadowFn = fn_of::kernel_shadow;
 pub type KernelRefusalFn = fn_of::kernel_refusal;
 /// `request_event_at`: the event as the node that owns `pool` sees it.
 pub type RequestEventAtFn = fn_of::request_event_at;
+/// `share`: a read-only reference to a page for a request or the prefix
+/// cache.
+pub type ShareFn = fn_of::share;
+/// `declare_salt`: a request's cache salt, before it takes pages.
+pub type DeclareSaltFn = fn_of::declare_salt;
 
 macro_rules! define_hook_table {
     ($(
@@ -483,6 +498,8 @@ const HOOK_SIZE: usize = size_of::<Option<PageFn>>();
 
 /// Size of a version 1.0 table (without the kernel hooks).
 pub const HOOK_TABLE_V1_0_SIZE: usize = hook_table_size(0);
+/// Size of a version 1.1 table (without the share hooks).
+pub const HOOK_TABLE_V1_1_SIZE: usize = hook_table_size(1);
 
 // The list keeps the table append-only: in table order no hook is of an
 // older minor version than the one before it, and this build's table is
@@ -807,6 +824,7 @@ pub const fn status_of(error: &SanitizerError) -> AbiStatus {
         | SanitizerError::TokensBeyondTable { .. }
         | SanitizerError::BadBatch { .. } => KVSAN_ERR_OUT_OF_RANGE,
         SanitizerError::BadGeometry { .. } => KVSAN_ERR_BAD_GEOMETRY,
+        SanitizerError::ReservedRequest { .. } => KVSAN_ERR_INVALID_ARGUMENT,
         SanitizerError::UnknownOption { .. }
         | SanitizerError::BadOptionValue { .. }
         | SanitizerError::MalformedOption { .. }
@@ -935,6 +953,28 @@ mod tests {
         assert!(!version_compatible(ABI_VERSION + 1));
         assert!(!version_compatible(ABI_VERSION + (1 << 16)));
         assert!(!version_compatible(0));
+    }
+
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn each_minor_versions_table_ends_after_its_last_hook() {
+        assert_eq!(HOOK_TABLE_V1_0_SIZE, 96);
+        assert_eq!(HOOK_TABLE_V1_1_SIZE, 120);
+        assert_eq!(hook_table_size(2), 136);
+        assert_eq!(hook_table_size(2), size_of::<KvsanHookTable>());
+        assert_eq!(KvsanHookTable::offset_of(Hook::Share), Some(120));
+        assert_eq!(KvsanHookTable::offset_of(Hook::DeclareSalt), Some(128));
+        assert_eq!(Hook::Share.table_minor(), Some(2));
+        assert_eq!(Hook::DeclareSalt.table_minor(), Some(2));
+    }
+
+    #[test]
+    fn a_reserved_request_is_an_invalid_argument() {
+        let e = SanitizerError::ReservedRequest {
+            request: RequestId::PREFIX_CACHE.0,
+            what: "allocate a page",
+        };
+        assert_eq!(status_of(&e), KVSAN_ERR_INVALID_ARGUMENT);
     }
 
     #[test]

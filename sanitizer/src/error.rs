@@ -75,6 +75,18 @@ pub enum SanitizerError {
         /// `pages × page_slots`.
         capacity: u64,
     },
+    /// A call that only a request may make, made with the prefix cache's
+    /// reserved id ([`crate::RequestId::PREFIX_CACHE`]): the cache holds
+    /// pages through `share` and `free` only.
+    #[error(
+        "request id {request} is reserved for the prefix cache, which holds pages through share and free only; it may not {what}"
+    )]
+    ReservedRequest {
+        /// The reserved id.
+        request: u64,
+        /// What it tried (`allocate a page`).
+        what: &'static str,
+    },
     /// A pool geometry that cannot be shadowed.
     #[error("invalid pool geometry: {field} = {value}, allowed: {limit}")]
     BadGeometry {

@@ -215,18 +215,24 @@ macro_rules! for_each_hook {
                 export(kvsan_request_event_at, verdict),
                 engine(fn request_event(pool: PoolId, owner: Owner, event: RequestEvent) -> Verdict);
 
-            /// The prefix cache shares `page` read-only with `sharer`.
+            /// The prefix cache shares `page` read-only with `sharer`: a
+            /// request that got a cache hit, or the cache itself
+            /// (`RequestId::PREFIX_CACHE` with the writer's tenant) taking
+            /// the reference that keeps a page it registers. The sharer
+            /// lets go with `free`. Not `Continue`: the page must not be
+            /// shared (or registered).
             Share = share(pool: u32, page: KvsanPageRef, sharer: KvsanOwner) => GenerationMismatch,
-                table -,
+                table(2, ShareFn),
                 export(kvsan_share, verdict),
-                engine -;
+                engine(fn share(pool: PoolId, page: PageRef, sharer: Owner) -> Verdict);
 
             /// `owner` declares its cache salt (hashed; 0: none) before it
-            /// takes pages, for `prefix_share=salt`.
+            /// takes pages: a salt narrows sharing under `prefix_share=tenant`
+            /// and `=salt`.
             DeclareSalt = declare_salt(owner: KvsanOwner, salt: u64) => CrossDomainShare,
-                table -,
+                table(2, DeclareSaltFn),
                 export(kvsan_declare_salt, verdict),
-                engine -;
+                engine(fn declare_salt(owner: Owner, salt: u64) -> Verdict);
         }
     };
 

@@ -20,6 +20,7 @@
 //!  check_read   load state word ─┐   owner ──┐   bits[page][layer·ps .. layer·ps + n] all set
 //!                                └ gen, state, flags, owner == reader
 //!  store        load state word, owner; fetch_or bit layer·ps + slot
+//!                └ gen, state, flags (not shared), owner == writer
 //! ```
 //!
 //! Cost: one record and one bit word per page a read touches; one record
@@ -221,8 +222,10 @@ impl<'a> KernelShadow<'a> {
     /// `layer` at `step`; on [`Check::Ok`] the slot is marked written.
     ///
     /// In order: `generation-mismatch`, `write-after-free`, `foreign-write`
-    /// (another request holds it, or a sharer writes), and
-    /// `terminal-request-activity`. No bit is set when the store is refused.
+    /// (another request holds it, a sharer writes, or the owner writes
+    /// while the page is shared read-only with the prefix cache or a
+    /// request), and `terminal-request-activity`. No bit is set when the
+    /// store is refused.
     #[inline]
     #[must_use]
     pub fn store(
@@ -242,7 +245,7 @@ impl<'a> KernelShadow<'a> {
             Some(ViolationKind::GenerationMismatch)
         } else if word.state().is_free() {
             Some(ViolationKind::WriteAfterFree)
-        } else if !rec.held_by(word, writer) {
+        } else if !rec.held_by(word, writer) || word.has(FLAG_SHARED) {
             Some(ViolationKind::ForeignWrite)
         } else if word.has(FLAG_TERMINAL_OWNER) {
             Some(ViolationKind::TerminalRequestActivity)

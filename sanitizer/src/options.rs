@@ -66,11 +66,19 @@ macro_rules! keyword_option {
 /// Which requests the prefix cache may share a page with, as the engine's
 /// `--prefix-cache` policy says (vLLM's automatic prefix caching is
 /// `salt`; SGLang's radix cache `global`).
+///
+/// A salt always narrows sharing under `tenant` and `salt`: a page carries
+/// the salt its writer declared ([`crate::Sanitizer::declare_salt`]; none
+/// is 0), and only a sharer that declared the same salt may take it. The
+/// prefix cache's own reference to a page it keeps
+/// ([`crate::RequestId::PREFIX_CACHE`]) is not held to the policy: it
+/// never reads, and each request it shares the page with is checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SharePolicy {
     /// No sharing: every share is a violation.
     Off,
-    /// Only requests of the tenant whose request wrote the page.
+    /// Only requests of the tenant whose request wrote the page, with the
+    /// page's salt (unsalted requests share unsalted pages).
     Tenant,
     /// Only requests that declared the writer's cache salt
     /// ([`crate::Sanitizer::declare_salt`]); requests without a salt share
@@ -221,7 +229,7 @@ declare_options! {
     max_recorded: u32 = 1024,
         "Recent violations kept in memory for Sanitizer::violations (oldest dropped first).";
     prefix_share: SharePolicy = SharePolicy::Tenant,
-        "Which requests the prefix cache may share a page with: `off` none, `tenant` the writer's tenant, `salt` requests that declared the writer's cache salt (unsalted ones share among themselves), `global` any.";
+        "Which requests the prefix cache may share a page with: `off` none, `tenant` the writer's tenant with the writer's cache salt (unsalted with unsalted), `salt` requests that declared the writer's cache salt (unsalted ones share among themselves), `global` any.";
     ended_requests: u32 = 65_536,
         "Ended requests remembered (their final states), so activity after a request's end is still caught; older ones are forgotten and the sanitizer's memory does not grow with the requests served.";
 }

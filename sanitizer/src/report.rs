@@ -20,7 +20,7 @@ use serde::Serialize;
 
 use crate::geometry::NodeRole;
 use crate::history::HistoryEvent;
-use crate::ids::{Generation, Owner, PageId, PoolId};
+use crate::ids::{Generation, Owner, PageId, PoolId, RequestId};
 use crate::violation::{ViolationId, ViolationKind};
 
 /// The legend printed under every slot map.
@@ -71,7 +71,8 @@ pub struct Report {
     pub kind: ViolationKind,
     /// The one-line summary (`kvsan: stale-read in request 7 (tenant 2) reading …`).
     pub summary: String,
-    /// The request whose action was found wrong.
+    /// The request whose action was found wrong (or the prefix cache,
+    /// [`RequestId::PREFIX_CACHE`], whose share was refused).
     pub accessor: Owner,
     /// Its lifecycle state, if known.
     pub accessor_state: Option<&'static str>,
@@ -146,8 +147,8 @@ fn render_page(out: &mut String, report: &Report, page: &PageReport) {
         out,
         "  {:<14}{:<24}{}",
         "request",
-        report.accessor.request.0,
-        owner(|o| o.request.0.to_string())
+        request_cell(report.accessor.request),
+        owner(|o| request_cell(o.request))
     );
     let _ = writeln!(
         out,
@@ -173,7 +174,14 @@ fn render_page(out: &mut String, report: &Report, page: &PageReport) {
         out,
         "  {:<14}{:<24}{}",
         "state",
-        report.accessor_state.unwrap_or("unknown"),
+        report
+            .accessor_state
+            .unwrap_or(if report.accessor.request.is_prefix_cache() {
+                // The cache holds pages; it has no lifecycle to show.
+                "-"
+            } else {
+                "unknown"
+            }),
         page_state
     );
     if !page.sharers.is_empty() {
@@ -208,13 +216,11 @@ fn render_page(out: &mut String, report: &Report, page: &PageReport) {
             page.pool, page.page, page.node
         );
         for e in &report.history {
-            let mut line = format!(
-                "    {:<7} gen {:<4} request {} (tenant {})",
-                e.kind.name(),
-                e.generation.0,
-                e.request.0,
-                e.tenant.0
-            );
+            let who = Owner {
+                request: e.request,
+                tenant: e.tenant,
+            };
+            let mut line = format!("    {:<7} gen {:<4} {who}", e.kind.name(), e.generation.0);
             if let Some(step) = e.step {
                 let _ = write!(line, "  step {step}");
             }
@@ -225,6 +231,16 @@ fn render_page(out: &mut String, report: &Report, page: &PageReport) {
         }
     }
     let _ = writeln!(out);
+}
+
+/// A request in the accessor/page table: its number, or `prefix cache`
+/// for the cache's reserved id.
+fn request_cell(request: RequestId) -> String {
+    if request.is_prefix_cache() {
+        "prefix cache".to_string()
+    } else {
+        request.0.to_string()
+    }
 }
 
 /// Where reports go.

@@ -3,7 +3,9 @@
 //!
 //! Page states: `Free → Owned → (Receiving → Owned) → Quarantined → Free`
 //! (`Allocating` is the brief window while `alloc` resets the owner and the
-//! bitmap). Transitions are compare-and-swap loops on the state word, so two
+//! bitmap). While the page is shared (`S` below: the prefix cache or a
+//! request holds a read-only reference) nobody writes it, its owner
+//! included. Transitions are compare-and-swap loops on the state word, so two
 //! racing `alloc`s (or `free`s) of one page cannot both succeed.
 //!
 //! ```text
@@ -605,7 +607,10 @@ impl PageView<'_> {
     /// A KV write by `who` into `slots × layers` through a `PageRef` at `generation`.
     ///
     /// Returns whether this is the generation's first logged write, or the
-    /// violation (no bits are set then).
+    /// violation (no bits are set then): `generation-mismatch`,
+    /// `write-after-free`, `foreign-write` (`who` is not the holding owner,
+    /// or it is but the page is shared: a page other holders read is
+    /// read-only to all), `terminal-request-activity`.
     #[inline]
     pub fn write(
         &self,
@@ -621,7 +626,7 @@ impl PageView<'_> {
         if cur.state().is_free() {
             return Err((ViolationKind::WriteAfterFree, cur));
         }
-        if !self.rec.held_by(cur, who) {
+        if !self.rec.held_by(cur, who) || cur.has(FLAG_SHARED) {
             return Err((ViolationKind::ForeignWrite, cur));
         }
         if cur.has(FLAG_TERMINAL_OWNER) {
@@ -761,7 +766,8 @@ impl PageView<'_> {
     ///
     /// # Errors
     /// `write-after-free` if the page was freed (or re-allocated) since,
-    /// `foreign-write` if another request holds it; no bits are set then.
+    /// `foreign-write` if another request holds it or it is shared
+    /// read-only; no bits are set then.
     pub fn receive(
         &self,
         who: RequestId,
@@ -774,7 +780,7 @@ impl PageView<'_> {
             if cur.generation() != generation || cur.state().is_free() {
                 return Err((ViolationKind::WriteAfterFree, cur));
             }
-            if !self.rec.held_by(cur, who) {
+            if !self.rec.held_by(cur, who) || cur.has(FLAG_SHARED) {
                 return Err((ViolationKind::ForeignWrite, cur));
             }
             let next = cur.with_state(PageState::Receiving);

@@ -25,7 +25,7 @@ macro_rules! for_each_violation_kind {
             GenerationMismatch = 2 => "generation-mismatch", "access through a PageRef whose page was freed and re-allocated since";
             ReadFreePage = 3 => "read-free-page", "read of a free or quarantined page";
             ReadDuringTransfer = 4 => "read-during-transfer", "read of a page whose incoming transfer has not been committed";
-            ForeignWrite = 5 => "foreign-write", "write into a page the writer does not own (including a shared prefix page)";
+            ForeignWrite = 5 => "foreign-write", "write into a page the writer does not own, or by anyone into a page shared read-only (a prefix-cache page)";
             WriteAfterFree = 6 => "write-after-free", "a write (often a late DMA/RDMA write) lands in a freed page";
             DoubleAlloc = 7 => "double-alloc", "allocation of a page that is already allocated";
             DoubleFree = 8 => "double-free", "free of a page already free, or through a stale generation";

@@ -184,6 +184,51 @@ fn stores_into_pages_the_writer_does_not_hold_are_refused_and_set_no_bit() {
     );
 }
 
+/// The owner's store into its own page while the prefix cache holds it:
+/// refused in the kernel, refused again on the cold path as
+/// `foreign-write`, naming the holders; the legal neighbour is the same
+/// store once the cache has let go.
+#[test]
+fn the_owners_store_into_a_page_the_prefix_cache_holds_is_refused_as_foreign_write() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 3, A, 1);
+    f.write_all(f.decode, A, page, 0..SLOTS, 2);
+    let cache = kvsan_sanitizer::Owner {
+        request: kvsan_sanitizer::RequestId::PREFIX_CACHE,
+        tenant: A.tenant,
+    };
+    assert!(f.san.share(f.decode, page, cache).unwrap().is_continue());
+    let shadow = f.san.kernel_shadow(f.decode).unwrap();
+    assert_eq!(
+        shadow.store(A.request, page, 0, 5, 3),
+        Check::Refused(ViolationKind::ForeignWrite)
+    );
+    let store = KernelAccess {
+        op: AccessOp::Store,
+        page,
+        entry: 5,
+        layer: 0,
+        slots: 5..6,
+    };
+    let v = f.san.kernel_refusal(f.decode, A, &store, 3).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ForeignWrite));
+    let text = f.out.text();
+    assert!(
+        text.contains(
+            "into the writer's own page while it is shared read-only with prefix cache (tenant 1)"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("shared with                           prefix cache (tenant 1)"),
+        "{text}"
+    );
+    // The cache evicts it: the owner may write its page again.
+    assert!(f.san.free(f.decode, cache, page, 4).unwrap().is_continue());
+    assert_eq!(shadow.store(A.request, page, 0, 5, 5), Check::Ok);
+    assert_eq!(f.san.violation_count(), 1);
+}
+
 #[test]
 fn the_first_kernel_store_of_a_generation_appears_in_the_pages_history() {
     let f = fixture();

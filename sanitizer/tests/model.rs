@@ -10,6 +10,11 @@
 //! verdict must be the one the model gives a read or write of the same
 //! slots, which shows the kernel shadow's encoding exact.
 //!
+//! The prefix cache takes and drops page references too (`share` and `free`
+//! by [`RequestId::PREFIX_CACHE`](kvsan_sanitizer::RequestId::PREFIX_CACHE),
+//! model request 0): a holder with no lifecycle, whose references keep a
+//! page from quarantine like a sharer's.
+//!
 //! `PROPTEST_CASES` raises the number of sequences (default 3000).
 
 use std::collections::{HashMap, VecDeque};
@@ -27,6 +32,8 @@ const SLOTS: u32 = 4;
 const LAYERS: u32 = 3;
 const REQUESTS: u64 = 2;
 const QUARANTINE: usize = 2;
+/// The model's id of the prefix cache (`RequestId::PREFIX_CACHE`).
+const CACHE: u64 = 0;
 
 #[derive(Clone, Debug)]
 struct Ref {
@@ -87,14 +94,19 @@ fn state() -> impl Strategy<Value = RequestState> {
     ])
 }
 
+/// Who takes or drops a page reference: a request, or the prefix cache.
+fn holder() -> impl Strategy<Value = u64> {
+    prop_oneof![3 => 1..=REQUESTS, 1 => Just(CACHE)]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     let pool = 0..POOLS;
     let req = 1..=REQUESTS;
     prop_oneof![
         2 => (req.clone(), state()).prop_map(|(r, s)| Op::Event(r, s)),
         4 => (pool.clone(), 0..PAGES, req.clone()).prop_map(|(p, g, r)| Op::Alloc(p, g, r)),
-        3 => (pool.clone(), req.clone(), page_ref()).prop_map(|(p, r, x)| Op::Free(p, r, x)),
-        2 => (pool.clone(), req.clone(), page_ref()).prop_map(|(p, r, x)| Op::Share(p, r, x)),
+        3 => (pool.clone(), holder(), page_ref()).prop_map(|(p, r, x)| Op::Free(p, r, x)),
+        2 => (pool.clone(), holder(), page_ref()).prop_map(|(p, r, x)| Op::Share(p, r, x)),
         5 => (pool.clone(), req.clone(), page_ref(), range(SLOTS), range(LAYERS))
             .prop_map(|(p, r, x, s, l)| Op::Write(p, r, x, s, l)),
         5 => (pool.clone(), req.clone(), table(), 0..=3 * SLOTS, range(LAYERS))
@@ -211,6 +223,10 @@ impl Model {
     }
 
     fn held(&mut self, r: u64, delta: i64) {
+        if r == CACHE {
+            // The cache has no lifecycle.
+            return;
+        }
         let e = self
             .requests
             .entry(r)
@@ -380,7 +396,8 @@ impl Model {
                     Some(K::GenerationMismatch)
                 } else if p.free() {
                     Some(K::WriteAfterFree)
-                } else if !p.holds(*r) {
+                } else if !p.holds(*r) || !p.sharers.is_empty() {
+                    // A shared page is read-only to its owner too.
                     Some(K::ForeignWrite)
                 } else if p.terminal {
                     Some(K::TerminalRequestActivity)
@@ -430,7 +447,7 @@ impl Model {
                     if tag.generation.0 != p.generation || p.free() {
                         return Some(K::WriteAfterFree);
                     }
-                    if !p.holds(*r) {
+                    if !p.holds(*r) || !p.sharers.is_empty() {
                         return Some(K::ForeignWrite);
                     }
                     p.st = St::Receiving;
@@ -481,7 +498,12 @@ fn split(first: u32, n: u32) -> Vec<(usize, Range<u32>)> {
 }
 
 fn owner(r: u64) -> Owner {
-    Owner::new(r, r as u32 + 100)
+    let request = if r == CACHE {
+        kvsan_sanitizer::RequestId::PREFIX_CACHE.0
+    } else {
+        r
+    };
+    Owner::new(request, r as u32 + 100)
 }
 
 fn run(san: &Sanitizer, pools: &[PoolId], op: &Op, tags: &[PageRef]) -> Option<K> {
@@ -625,6 +647,11 @@ fn check_pages(
             Some(*state)
         );
     }
+    prop_assert_eq!(
+        san.request_state(kvsan_sanitizer::RequestId::PREFIX_CACHE),
+        None,
+        "the prefix cache is no request"
+    );
     Ok(())
 }
 

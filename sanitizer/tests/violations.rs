@@ -210,6 +210,67 @@ fn under_the_salt_policy_only_the_writers_salt_shares() {
     assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
 }
 
+/// A salt narrows sharing under the default `tenant` policy too: a page
+/// written with a salt is shared only within its tenant and with the same
+/// salt (vLLM's `cache_salt` inside one API key).
+#[test]
+fn under_the_tenant_policy_a_salt_narrows_sharing_within_the_tenant() {
+    let f = fixture();
+    f.san.declare_salt(A, 0xfeed);
+    f.san.declare_salt(A2, 0xbeef);
+    let same_salt = kvsan_sanitizer::Owner::new(11, A.tenant.0);
+    f.san.declare_salt(same_salt, 0xfeed);
+    let unsalted = kvsan_sanitizer::Owner::new(12, A.tenant.0);
+    let other_tenant = kvsan_sanitizer::Owner::new(13, 2);
+    f.san.declare_salt(other_tenant, 0xfeed);
+    let page = written_page(&f);
+    assert!(
+        f.san
+            .share(f.decode, page, same_salt)
+            .unwrap()
+            .is_continue()
+    );
+    let v = f.san.share(f.decode, page, A2).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
+    let v = f.san.share(f.decode, page, unsalted).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
+    let v = f.san.share(f.decode, page, other_tenant).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
+    let text = f.out.text();
+    for said in [
+        "prefix_share=tenant: the page was written for the sharer's tenant 1, but the page and the sharer carry different salts",
+        "prefix_share=tenant: the page was written for the sharer's tenant 1, but the page carries a salt, the sharer declared none",
+        "prefix_share=tenant: the page was written for tenant 1, the sharer is tenant 2",
+    ] {
+        assert!(text.contains(said), "missing {said:?}: {text}");
+    }
+    assert!(
+        !text.contains("feed") && !text.contains("beef") && !text.contains("65261"),
+        "a report never shows a salt: {text}"
+    );
+}
+
+/// Its legal neighbour: unsalted requests of one tenant share unsalted
+/// pages, and a salted request does not take an unsalted page.
+#[test]
+fn under_the_tenant_policy_unsalted_requests_of_the_tenant_share_unsalted_pages() {
+    let f = fixture();
+    let page = written_page(&f);
+    assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
+    assert_eq!(f.san.violation_count(), 0, "{}", f.out.text());
+    let salted = kvsan_sanitizer::Owner::new(11, A.tenant.0);
+    f.san.declare_salt(salted, 0xfeed);
+    let v = f.san.share(f.decode, page, salted).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::CrossDomainShare));
+    assert!(
+        f.out
+            .text()
+            .contains("but the page carries no salt, the sharer declared one"),
+        "{}",
+        f.out.text()
+    );
+}
+
 #[test]
 fn under_the_global_policy_any_request_shares_and_under_off_none_does() {
     let f = fixture_with("prefix_share=global");
@@ -318,6 +379,62 @@ fn writing_into_a_shared_prefix_page_is_foreign_write() {
     assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
     let v = f.san.write(f.decode, A2, page, 3..4, ALL, 3).unwrap();
     assert_provoked(&f, v, ViolationKind::ForeignWrite);
+}
+
+/// The prefix cache as a holder of a page its owner filled.
+const CACHE: kvsan_sanitizer::Owner = kvsan_sanitizer::Owner {
+    request: kvsan_sanitizer::RequestId::PREFIX_CACHE,
+    tenant: kvsan_sanitizer::TenantId(1),
+};
+
+/// A page other holders read is read-only to its owner too: a write would
+/// change KV that a later request takes from the cache as the prefix's.
+#[test]
+fn the_owner_writing_a_page_the_prefix_cache_holds_is_foreign_write() {
+    let f = fixture();
+    let page = written_page(&f);
+    assert!(f.san.share(f.decode, page, CACHE).unwrap().is_continue());
+    let v = f.san.write(f.decode, A, page, 3..4, ALL, 3).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ForeignWrite));
+    assert_eq!(f.san.violations().len(), 1);
+    assert_golden("foreign-write-into-a-shared-page", &f.out.text());
+}
+
+#[test]
+fn the_owner_writing_before_the_cache_registers_the_page_or_after_it_left_passes() {
+    let f = fixture();
+    let page = written_page(&f);
+    let v = f.san.write(f.decode, A, page, 3..4, ALL, 3).unwrap();
+    assert_clean(&f, v);
+    assert!(f.san.share(f.decode, page, CACHE).unwrap().is_continue());
+    assert!(f.san.share(f.decode, page, A2).unwrap().is_continue());
+    f.free(f.decode, CACHE, page, 4);
+    f.free(f.decode, A2, page, 5);
+    // The last sharer has left: the page is its owner's alone again.
+    let v = f.san.write(f.decode, A, page, 3..4, ALL, 6).unwrap();
+    assert_clean(&f, v);
+}
+
+#[test]
+fn a_transfer_landing_in_a_page_the_prefix_cache_holds_is_foreign_write() {
+    let f = fixture();
+    let (dst, m) = received(&f);
+    assert!(
+        f.san
+            .transfer_commit(f.decode, A, &[dst], 16)
+            .unwrap()
+            .is_continue()
+    );
+    assert!(f.san.share(f.decode, dst, CACHE).unwrap().is_continue());
+    let v = f.san.transfer_recv(f.decode, &m).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ForeignWrite));
+    assert!(
+        f.out
+            .text()
+            .contains("shared read-only with prefix cache (tenant 1)"),
+        "{}",
+        f.out.text()
+    );
 }
 
 #[test]

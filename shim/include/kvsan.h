@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define KVSAN_ABI_VERSION_MAJOR 1
-#define KVSAN_ABI_VERSION_MINOR 1
+#define KVSAN_ABI_VERSION_MINOR 2
 #define KVSAN_ABI_VERSION ((uint32_t)((KVSAN_ABI_VERSION_MAJOR << 16) | KVSAN_ABI_VERSION_MINOR))
 
 /* Status codes. */
@@ -100,6 +100,18 @@ extern "C" {
 #define KVSAN_KIND_POISON_READ 15u
 #define KVSAN_KIND_CROSS_DOMAIN_SHARE 16u
 #define KVSAN_KIND_UNWRITTEN_SHARE 17u
+
+/* The request id reserved for the engine's prefix cache as a page holder
+ * (UINT64_MAX; number requests below it). The cache takes a read-only
+ * reference to a full page it registers with kvsan_share, as the owner
+ * {KVSAN_PREFIX_CACHE_REQUEST, <the writer's tenant>, 0}, and lets go of it
+ * with kvsan_free of the same owner when it evicts the page; the writer
+ * frees its own reference as usual, and the page stays until its last
+ * holder lets go. The cache has no lifecycle (no page-leak, no
+ * events; kvsan_alloc refuses it), its shares are checked for a filled,
+ * committed, current page but not against prefix_share (each request it
+ * shares the page with is), and reports name it "prefix cache". */
+#define KVSAN_PREFIX_CACHE_REQUEST UINT64_MAX
 
 /* A request and the tenant it is billed to. 16 bytes. */
 typedef struct KvsanOwner {
@@ -164,8 +176,11 @@ typedef struct KvsanManifest {
  *
  * A read of slots 0..n of layer l of page p through a PageRef is legal when
  * the generation matches, the state is owned, the owner is the reader and
- * has not released or ended, and the n bits are set; anything else goes to
- * kvsan_kernel_refusal. */
+ * has not released or ended, and the n bits are set; a store into a slot is
+ * legal when the generation matches, the state is owned or receiving, the
+ * owner is the writer and has not released or ended, and the page is not
+ * shared (bit 37: nobody writes a page others hold read-only). Anything
+ * else goes to kvsan_kernel_refusal. */
 typedef struct KvsanKernelShadow {
     uint32_t size; /* sizeof(KvsanKernelShadow) */
     uint32_t layout_version;
@@ -223,9 +238,13 @@ typedef KvsanVerdict (*KvsanKernelRefusalFn)(void *ctx, uint32_t pool, KvsanOwne
                                              const KvsanKernelAccess *access, uint64_t step);
 typedef KvsanVerdict (*KvsanRequestEventAtFn)(void *ctx, uint32_t pool, KvsanOwner owner,
                                               uint32_t event);
+typedef KvsanVerdict (*KvsanShareFn)(void *ctx, uint32_t pool, KvsanPageRef page,
+                                     KvsanOwner sharer);
+typedef KvsanVerdict (*KvsanDeclareSaltFn)(void *ctx, KvsanOwner owner, uint64_t salt);
 
-/* Version 1.1, 120 bytes on LP64 (1.0 ends before kernel_shadow, 96 bytes).
- * `size` first; a newer minor only appends. */
+/* Version 1.2, 136 bytes on LP64 (1.1 ends before share, 120 bytes; 1.0
+ * before kernel_shadow, 96 bytes). `size` first; a newer minor only
+ * appends. */
 typedef struct KvsanHookTable {
     uint32_t size;
     uint16_t version_major;
@@ -245,6 +264,8 @@ typedef struct KvsanHookTable {
     KvsanKernelShadowFn kernel_shadow;   /* 1.1 */
     KvsanKernelRefusalFn kernel_refusal; /* 1.1 */
     KvsanRequestEventAtFn request_event_at; /* 1.1 */
+    KvsanShareFn share;                     /* 1.2 */
+    KvsanDeclareSaltFn declare_salt;        /* 1.2 */
 } KvsanHookTable;
 
 /* The table, valid for the rest of the process; NULL if the library refused
@@ -283,12 +304,18 @@ int32_t kvsan_alloc(uint32_t pool, KvsanOwner owner, uint32_t page, uint64_t ste
 /* `owner` returns `page`. */
 int32_t kvsan_free(uint32_t pool, KvsanOwner owner, KvsanPageRef page, uint64_t step,
                    KvsanVerdict *verdict_out);
-/* The prefix cache shares `page` read-only with `sharer`. */
+/* The prefix cache shares `page` read-only with `sharer`: a request that got
+ * a cache hit (checked against prefix_share), or the cache itself
+ * (KVSAN_PREFIX_CACHE_REQUEST) registering a page. The sharer lets go with
+ * kvsan_free. While a page is shared nobody writes it, its owner included
+ * (foreign-write). */
 int32_t kvsan_share(uint32_t pool, KvsanPageRef page, KvsanOwner sharer,
                     KvsanVerdict *verdict_out);
 /* `owner` declares its cache salt (a hash of it; 0: none) before it takes
  * pages: under KVSAN_OPTIONS=prefix_share=salt only requests that declared
- * the same salt share a page. Reports never show a salt. */
+ * the same salt share a page; under prefix_share=tenant (the default) only
+ * requests of the writer's tenant that declared the same salt (unsalted
+ * ones share among themselves). Reports never show a salt. */
 int32_t kvsan_declare_salt(KvsanOwner owner, uint64_t salt, KvsanVerdict *verdict_out);
 /* `owner` computed KV into slots x layers of `page`. */
 int32_t kvsan_write(uint32_t pool, KvsanOwner owner, KvsanPageRef page, KvsanRange slots,

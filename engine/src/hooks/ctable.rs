@@ -12,7 +12,8 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!  KvsanHookTable { u32 size; u16 version_major, version_minor; u32 flags,
-//!                   quarantine_pages; void *ctx; 12 hooks … }  (120 bytes, v1.1;
+//!                   quarantine_pages; void *ctx; 14 hooks … }  (136 bytes, v1.2;
+//!                                                               120 bytes, v1.1;
 //!                                                               96 bytes, v1.0)
 //!  every hook returns KvsanVerdict { u32 code; u32 kind; u64 violation_id }
 //! ```
@@ -32,6 +33,10 @@
 //!   KV stores and attention reads go unchecked (the engine's kernels check
 //!   against a kernel shadow, not through `read`/`write` calls, which it
 //!   never makes); lifecycle events go to `request_event`, the process's view.
+//! - A table older than version 1.2 has no `share`/`declare_salt`: it is
+//!   attached, the engine says loudly that prefix-cache shares go
+//!   unchecked, and [`KvHooks::share`] and [`KvHooks::declare_salt`]
+//!   continue without a call.
 //! - Hooks may be called from several threads at once, for the rest of the
 //!   process; the table, `ctx` and the functions must stay valid that long.
 //! - `pool_register` returns code 0 and writes the pool id, or refuses the
@@ -266,6 +271,16 @@ impl CTableHooks {
                 "kvsan: the hook table has no kernel shadow; KV stores and attention reads go unchecked"
             );
         }
+        if !copy.is_set(Hook::Share) {
+            eprintln!(
+                "kvsan: hook table version {}.{} has no share hook: prefix-cache shares go UNCHECKED",
+                copy.version_major, copy.version_minor
+            );
+            tracing::error!(
+                minor = copy.version_minor,
+                "kvsan: the hook table has no share hook; prefix-cache shares go unchecked"
+            );
+        }
         Ok(CTableHooks {
             minor: copy.version_minor,
             table: copy,
@@ -385,6 +400,25 @@ impl KvHooks for CTableHooks {
         let v =
             unsafe { hook!(self.free)(self.table.ctx, pool.0, owner.into(), page.into(), step) };
         self.verdict(Hook::Free, v)
+    }
+
+    fn share(&self, pool: PoolId, page: PageRef, sharer: Owner) -> Verdict {
+        // A library older than 1.2 cannot check shares (said at attach).
+        let Some(f) = self.table.share else {
+            return Verdict::Continue;
+        };
+        // SAFETY: validated table (a 1.2 table's hook); arguments by value.
+        let v = unsafe { f(self.table.ctx, pool.0, page.into(), sharer.into()) };
+        self.verdict(Hook::Share, v)
+    }
+
+    fn declare_salt(&self, owner: Owner, salt: u64) -> Verdict {
+        let Some(f) = self.table.declare_salt else {
+            return Verdict::Continue;
+        };
+        // SAFETY: validated table (a 1.2 table's hook); arguments by value.
+        let v = unsafe { f(self.table.ctx, owner.into(), salt) };
+        self.verdict(Hook::DeclareSalt, v)
     }
 
     fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle> {

@@ -13,7 +13,9 @@
 //! | prefill ships KV                         | `transfer_send`   |
 //! | bytes land on decode                     | `transfer_recv`   |
 //! | decode starts using the request's KV     | `transfer_commit` |
-//! | page returned                            | `free`            |
+//! | a request's cache salt, before it allocates | `declare_salt` |
+//! | the prefix cache registers a full page (holder `RequestId::PREFIX_CACHE`), or hands one to a request | `share` |
+//! | page returned, or evicted from the prefix cache | `free`   |
 //!
 //! KV stores and attention reads are not reported as hook calls: the
 //! kernels check each page they touch, with the arguments they were given,
@@ -260,10 +262,23 @@ impl Hooks {
     /// or item) or a report log file that cannot be opened (feature
     /// `sanitize` only). A failure is not cached: the next call tries again.
     pub fn from_environment() -> Result<Hooks, EngineError> {
+        Hooks::from_environment_with("")
+    }
+
+    /// [`Hooks::from_environment`], with `defaults` (`key=value:…`, as in
+    /// `KVSAN_OPTIONS`) under `KVSAN_OPTIONS` for an in-process sanitizer:
+    /// what the engine's own settings imply (its prefix-cache policy as
+    /// `prefix_share`), which the operator's options still override. The
+    /// first call's choice is the process's.
+    ///
+    /// # Errors
+    /// As [`Hooks::from_environment`]; a bad default is named like a bad
+    /// option.
+    pub fn from_environment_with(defaults: &str) -> Result<Hooks, EngineError> {
         if let Some(chosen) = CHOSEN.get() {
             return Ok(chosen.clone());
         }
-        let hooks = Hooks::choose()?;
+        let hooks = Hooks::choose(defaults)?;
         let chosen = CHOSEN.get_or_init(|| {
             tracing::info!(
                 target = hooks.kind.name(),
@@ -277,15 +292,19 @@ impl Hooks {
     }
 
     #[cfg(feature = "sanitize")]
-    fn choose() -> Result<Hooks, EngineError> {
-        let sanitizer = kvsan_sanitizer::Sanitizer::from_env()
+    fn choose(defaults: &str) -> Result<Hooks, EngineError> {
+        use kvsan_sanitizer::options::{OPTIONS_ENV, Options};
+        let env = std::env::var(OPTIONS_ENV).unwrap_or_default();
+        // Later items win: the environment's over the defaults.
+        let sanitizer = Options::parse(&format!("{defaults}:{env}"))
+            .and_then(kvsan_sanitizer::Sanitizer::new)
             .map_err(|source| EngineError::Sanitizer { source })?;
         Ok(Hooks::sanitizer(Arc::new(sanitizer)))
     }
 
     #[cfg(not(feature = "sanitize"))]
     #[allow(clippy::unnecessary_wraps)]
-    fn choose() -> Result<Hooks, EngineError> {
+    fn choose(_defaults: &str) -> Result<Hooks, EngineError> {
         Ok(CTableHooks::from_symbol(ctable::HOOK_TABLE_SYMBOL)
             .map_or_else(Hooks::none, Hooks::c_table))
     }

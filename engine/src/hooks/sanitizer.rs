@@ -113,6 +113,15 @@ impl KvHooks for SanitizerHooks {
         self.verdict("free", self.sanitizer.free(pool, owner, page, step))
     }
 
+    fn share(&self, pool: PoolId, page: PageRef, sharer: Owner) -> Verdict {
+        self.verdict("share", self.sanitizer.share(pool, page, sharer))
+    }
+
+    fn declare_salt(&self, owner: Owner, salt: u64) -> Verdict {
+        self.sanitizer.declare_salt(owner, salt);
+        Verdict::Continue
+    }
+
     fn kernel_shadow(&self, pool: PoolId) -> Option<KernelShadowHandle> {
         let raw = match self.sanitizer.kernel_shadow(pool) {
             Ok(view) => view.to_raw(),
@@ -194,5 +203,56 @@ impl KvHooks for SanitizerHooks {
                 .collect(),
             checks: self.sanitizer.checks().total(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvsan_sanitizer::{NodeRole, Options, RequestId, TenantId, ViolationKind};
+
+    fn geometry() -> PoolGeometry {
+        PoolGeometry {
+            pages: 2,
+            page_slots: 2,
+            layers: 1,
+            bytes_per_slot: 8,
+            role: NodeRole::Unified,
+            node: "unified".into(),
+        }
+    }
+
+    #[test]
+    fn shares_and_salts_reach_the_in_process_sanitizer_and_misuse_is_counted() {
+        let san = Arc::new(Sanitizer::with_writer(Options::default(), std::io::sink()));
+        let hooks = SanitizerHooks::new(san.clone());
+        let pool = hooks.pool_register(&geometry()).expect("registered");
+        let writer = Owner::new(1, 3);
+        let page = PageRef::new(0, 1);
+        assert!(hooks.declare_salt(writer, 42).is_continue());
+        assert!(hooks.alloc(pool, writer, page, 1).is_continue());
+        assert!(
+            san.write(pool, writer, page, 0..2, 0..1, 2)
+                .unwrap()
+                .is_continue()
+        );
+        let cache = Owner {
+            request: RequestId::PREFIX_CACHE,
+            tenant: TenantId(3),
+        };
+        assert!(hooks.share(pool, page, cache).is_continue());
+        // Same tenant, no salt: the writer's salt keeps it out.
+        let unsalted = Owner::new(2, 3);
+        assert_eq!(
+            hooks.share(pool, page, unsalted).kind(),
+            Some(ViolationKind::CrossDomainShare)
+        );
+        let salted = Owner::new(4, 3);
+        assert!(hooks.declare_salt(salted, 42).is_continue());
+        assert!(hooks.share(pool, page, salted).is_continue());
+        assert_eq!(hooks.errors(), 0);
+        // An unknown pool is the engine's misuse, not a violation.
+        assert!(hooks.share(PoolId(77), page, salted).is_continue());
+        assert_eq!(hooks.errors(), 1);
     }
 }

@@ -411,6 +411,12 @@ mod tests {
         fn transfer_commit(&self, _: PoolId, _: Owner, _: &[PageRef], _: usize) -> Verdict {
             Verdict::Continue
         }
+        fn share(&self, _: PoolId, _: PageRef, _: Owner) -> Verdict {
+            Verdict::Continue
+        }
+        fn declare_salt(&self, _: Owner, _: u64) -> Verdict {
+            Verdict::Continue
+        }
     }
 
     impl Recording {

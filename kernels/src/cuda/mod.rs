@@ -65,7 +65,8 @@
 //!    receiving → read-during-transfer               not the holding owner → foreign-read,
 //!    owner terminal → terminal-request-activity        or Arbitrate if shared (the host decides)
 //!    a slot's bit missing → stale-read (first missing slot)
-//!  store (per token): generation-mismatch, write-after-free, foreign-write,
+//!  store (per token): generation-mismatch, write-after-free, foreign-write
+//!    (not the holding owner, or the page is shared read-only),
 //!    terminal-request-activity; a store made sets its bit (atomicOr)
 //! ```
 //!

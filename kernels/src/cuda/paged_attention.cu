@@ -220,7 +220,9 @@ __device__ unsigned int kvsan_check_read(
 // Before `writer` stores into a slot of `page` (below n_pages) through a
 // PageRef of `generation`: KVSAN_REFUSED_NONE or the refusal; *current as
 // for reads. Shadow order as KernelShadow::store: generation, free
-// (write-after-free), not the holding owner (foreign write), terminal owner.
+// (write-after-free), not the holding owner or the page shared read-only
+// (foreign write: nobody writes a page the prefix cache or a request
+// shares, its owner included), terminal owner.
 __device__ unsigned int kvsan_check_store(
     unsigned int mode,
     unsigned int page,
@@ -247,7 +249,7 @@ __device__ unsigned int kvsan_check_store(
     if (kvsan_state_is_free(kvsan_state(word))) {
         return KVSAN_REFUSED_WRITE_AFTER_FREE;
     }
-    if (!kvsan_held_by(word, owner, writer)) {
+    if (!kvsan_held_by(word, owner, writer) || (word & KVSAN_FLAG_SHARED) != 0ull) {
         return KVSAN_REFUSED_FOREIGN_WRITE;
     }
     if ((word & KVSAN_FLAG_TERMINAL_OWNER) != 0ull) {

@@ -19,8 +19,11 @@ from ctypes import (
 from pathlib import Path
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 1
+ABI_VERSION_MINOR = 2
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
+# KVSAN_PREFIX_CACHE_REQUEST: the request id of the prefix cache as a page
+# holder (share to register a page, free to evict it); never a request's.
+PREFIX_CACHE_REQUEST = (1 << 64) - 1
 KVSAN_OK = 0
 KVSAN_ERR_OUT_OF_RANGE_NAME = "KVSAN_ERR_OUT_OF_RANGE"
 VERDICT_CONTINUE = 0

@@ -24,7 +24,9 @@ impl Sanitizer {
     /// is still recorded).
     ///
     /// # Errors
-    /// Unknown pool or page out of range.
+    /// Unknown pool or page out of range; the prefix cache's reserved id
+    /// ([`crate::RequestId::PREFIX_CACHE`]: the cache holds pages, it does
+    /// not take them from the free list).
     pub fn alloc(
         &self,
         pool: PoolId,
@@ -34,6 +36,12 @@ impl Sanitizer {
     ) -> Result<(Verdict, Generation), SanitizerError> {
         let shadow = self.pool(pool)?;
         let view = shadow.page(page)?;
+        if owner.request.is_prefix_cache() {
+            return Err(SanitizerError::ReservedRequest {
+                request: owner.request.0,
+                what: "allocate a page",
+            });
+        }
         self.checks.alloc();
         let mut rec = self.lifecycle.entry(owner.request, owner.tenant);
         let state = match rec.state_at(pool) {
@@ -86,7 +94,10 @@ impl Sanitizer {
     }
 
     /// `owner` lets go of its reference to `page` (ownership or share). The
-    /// page goes to quarantine when its last holder lets go.
+    /// page goes to quarantine when its last holder lets go. The prefix
+    /// cache (`RequestId::PREFIX_CACHE`) lets go of a page it evicts the
+    /// same way; while a request still shares the page, or its writer
+    /// still owns it, the page stays.
     ///
     /// `double-free` if the page is already free or the generation moved on;
     /// `foreign-free` if `owner` neither owns nor shares it.
@@ -143,8 +154,11 @@ impl Sanitizer {
         if released {
             shadow.quarantine(page.page, page.generation);
         }
-        self.lifecycle
-            .add_held(owner.request, owner.tenant, pool, -1);
+        // The prefix cache has no lifecycle: nothing to count for it.
+        if !owner.request.is_prefix_cache() {
+            self.lifecycle
+                .add_held(owner.request, owner.tenant, pool, -1);
+        }
         Ok(Verdict::Continue)
     }
 
@@ -152,12 +166,19 @@ impl Sanitizer {
     /// caller; 0: none), before it takes pages: the pages it then takes
     /// carry the salt, and under `prefix_share=salt` only a request that
     /// declared the same salt may share them.
+    ///
+    /// The prefix cache (`RequestId::PREFIX_CACHE`) has no salt of its own
+    /// (pages keep their writer's); a declaration for it is ignored.
     pub fn declare_salt(&self, owner: Owner, salt: u64) {
+        if owner.request.is_prefix_cache() {
+            return;
+        }
         self.lifecycle.entry(owner.request, owner.tenant).salt = salt;
     }
 
     /// The prefix cache shares `page` read-only with `sharer` (one more
-    /// reference; the sharer frees it like an owner).
+    /// reference; the sharer frees it like an owner). While the page is
+    /// shared nobody writes it, its owner included (`foreign-write`).
     ///
     /// In order: `terminal-request-activity` for a terminal sharer;
     /// `read-during-transfer` if the page's incoming KV is not committed;
@@ -167,6 +188,15 @@ impl Sanitizer {
     /// is copied or recomputed); `generation-mismatch` or `read-free-page`
     /// if the page is not held at that generation. A violation adds no
     /// sharer.
+    ///
+    /// The sharer may be the prefix cache itself
+    /// ([`crate::RequestId::PREFIX_CACHE`], with the writer's tenant),
+    /// taking the reference that keeps a page it registers after the
+    /// writer lets go: its share is checked for all of the above but the
+    /// policy (the cache never reads; each request the cache later shares
+    /// the page with is checked against it) and the terminal check (it has
+    /// no lifecycle). A violation on it means the page must not be
+    /// registered (no request is at fault: the engine aborts none).
     ///
     /// # Errors
     /// Unknown pool or page out of range.
@@ -178,7 +208,9 @@ impl Sanitizer {
     ) -> Result<Verdict, SanitizerError> {
         let shadow = self.pool(pool)?;
         let view = shadow.page(page.page)?;
-        if let Some(state) = self.lifecycle.state_at(sharer.request, pool)
+        let cache = sharer.request.is_prefix_cache();
+        if !cache
+            && let Some(state) = self.lifecycle.state_at(sharer.request, pool)
             && state.is_terminal()
         {
             return Ok(self.violation(
@@ -199,8 +231,10 @@ impl Sanitizer {
                     page.page,
                     Event::new(EventKind::Share, sharer, page.generation, None, None),
                 );
-                self.lifecycle
-                    .add_held(sharer.request, sharer.tenant, pool, 1);
+                if !cache {
+                    self.lifecycle
+                        .add_held(sharer.request, sharer.tenant, pool, 1);
+                }
                 Ok(Verdict::Continue)
             }
             Err(word) => {
@@ -248,30 +282,11 @@ impl Sanitizer {
             PageState::Owned => {}
             _ => return None,
         }
-        let writer = view.rec.owner();
-        let apart = match self.options.prefix_share {
-            SharePolicy::Off => Some("prefix_share=off: no page is shared".to_string()),
-            SharePolicy::Global => None,
-            SharePolicy::Tenant => (writer.tenant != sharer.tenant).then(|| {
-                format!(
-                    "prefix_share=tenant: the page was written for tenant {}, the sharer is tenant {}",
-                    writer.tenant.0, sharer.tenant.0
-                )
-            }),
-            SharePolicy::Salt => {
-                let (theirs, mine) = (shadow.salt_of(page.page), self.lifecycle.salt(sharer.request));
-                (theirs != mine).then(|| {
-                    // Salts are secrets: the report never shows them.
-                    let what = match (theirs, mine) {
-                        (0, _) => "the page carries no salt, the sharer declared one",
-                        (_, 0) => "the page carries a salt, the sharer declared none",
-                        _ => "the page and the sharer carry different salts",
-                    };
-                    format!("prefix_share=salt: {what}")
-                })
-            }
-        };
-        if let Some(detail) = apart {
+        // The cache's own reference is not a read: the policy is checked
+        // when a request shares the page from the cache.
+        if !sharer.request.is_prefix_cache()
+            && let Some(detail) = self.policy_refusal(shadow, view, page, sharer)
+        {
             return refuse(ViolationKind::CrossDomainShare, detail);
         }
         let geometry = &shadow.geometry;
@@ -287,12 +302,58 @@ impl Sanitizer {
         None
     }
 
+    /// Why `prefix_share` keeps `sharer` apart from the writer of `page`
+    /// (the page's owner at its allocation), if it does. Salts are
+    /// secrets: the detail says whether they differ, never what they are.
+    fn policy_refusal(
+        &self,
+        shadow: &ShadowPool,
+        view: PageView<'_>,
+        page: PageRef,
+        sharer: Owner,
+    ) -> Option<String> {
+        let salts = || {
+            let (theirs, mine) = (
+                shadow.salt_of(page.page),
+                self.lifecycle.salt(sharer.request),
+            );
+            (theirs != mine).then_some(match (theirs, mine) {
+                (0, _) => "the page carries no salt, the sharer declared one",
+                (_, 0) => "the page carries a salt, the sharer declared none",
+                _ => "the page and the sharer carry different salts",
+            })
+        };
+        match self.options.prefix_share {
+            SharePolicy::Off => Some("prefix_share=off: no page is shared".to_string()),
+            SharePolicy::Global => None,
+            SharePolicy::Tenant => {
+                let writer = view.rec.owner();
+                if writer.tenant != sharer.tenant {
+                    Some(format!(
+                        "prefix_share=tenant: the page was written for tenant {}, the sharer is tenant {}",
+                        writer.tenant.0, sharer.tenant.0
+                    ))
+                } else {
+                    salts().map(|what| {
+                        format!(
+                            "prefix_share=tenant: the page was written for the sharer's tenant {}, but {what}",
+                            sharer.tenant.0
+                        )
+                    })
+                }
+            }
+            SharePolicy::Salt => salts().map(|what| format!("prefix_share=salt: {what}")),
+        }
+    }
+
     /// KV computed by `owner` into `slots × layers` of `page`.
     ///
     /// In order: `generation-mismatch` (stale tag), `write-after-free` (page
     /// free or quarantined), `foreign-write` (writer does not hold the
     /// ownership: another request, a mere sharer, or an owner who released
-    /// it), `terminal-request-activity` (owner is terminal).
+    /// it; or the owner writes while the page is shared read-only with the
+    /// prefix cache or a request), `terminal-request-activity` (owner is
+    /// terminal).
     ///
     /// # Errors
     /// Unknown pool; page, slot or layer out of range.
@@ -352,16 +413,37 @@ impl Sanitizer {
         step: u64,
         word: StateWord,
     ) -> Verdict {
-        let detail = format!(
-            "write of slots {}..{}, layers {}..{} through a tag of gen {}; the page is {} at gen {}",
-            slots.start,
-            slots.end,
-            layers.start,
-            layers.end,
-            page.generation.0,
-            word.state().name(),
-            word.generation().0
-        );
+        // The owner writing its own page while others hold it: name them.
+        let owners_shared_page = || {
+            let shadow = self.pool(pool).ok()?;
+            let view = shadow.page(page.page).ok()?;
+            (kind == ViolationKind::ForeignWrite
+                && word.has(FLAG_SHARED)
+                && word.generation() == page.generation
+                && view.rec.held_by(word, owner.request))
+            .then(|| shadow.sharers_of(page.page))
+        };
+        let detail = match owners_shared_page() {
+            // The owner itself: the page is fine but not writable now.
+            Some(sharers) => format!(
+                "write of slots {}..{}, layers {}..{} into the writer's own page while it is shared read-only with {}: a page other holders read is written by nobody until they let go",
+                slots.start,
+                slots.end,
+                layers.start,
+                layers.end,
+                list_holders(&sharers)
+            ),
+            None => format!(
+                "write of slots {}..{}, layers {}..{} through a tag of gen {}; the page is {} at gen {}",
+                slots.start,
+                slots.end,
+                layers.start,
+                layers.end,
+                page.generation.0,
+                word.state().name(),
+                word.generation().0
+            ),
+        };
         self.violation(
             Finding::new(kind, owner, "writing")
                 .at(pool, page)
@@ -543,4 +625,17 @@ impl Sanitizer {
             ),
         )
     }
+}
+
+/// Holders as reports list them: `prefix cache (tenant 1), request 9
+/// (tenant 1)`; at most eight, then `…`.
+pub(super) fn list_holders(holders: &[Owner]) -> String {
+    if holders.is_empty() {
+        return "no one any more".to_string();
+    }
+    let mut list: Vec<String> = holders.iter().take(8).map(ToString::to_string).collect();
+    if holders.len() > 8 {
+        list.push("…".to_string());
+    }
+    list.join(", ")
 }

@@ -2,6 +2,7 @@
 
 use super::Sanitizer;
 use super::finding::{Finding, with_article};
+use super::pages::list_holders;
 use crate::error::SanitizerError;
 use crate::history::{Event, EventKind};
 use crate::ids::{Owner, PageRef, PoolId};
@@ -122,7 +123,8 @@ impl Sanitizer {
     /// Bytes of `manifest` landed in the receiver's pool `pool`: each
     /// destination page must still be held by the manifest's request at its
     /// tagged generation (`write-after-free` if freed or re-allocated since,
-    /// `foreign-write` if another request holds it). The pages become
+    /// `foreign-write` if another request holds it or it is shared
+    /// read-only with the prefix cache or a request). The pages become
     /// Receiving and the received slots × layers count as written.
     ///
     /// # Errors
@@ -160,12 +162,20 @@ impl Sanitizer {
                     ),
                 ),
                 Err((kind, word)) => {
+                    let shared = if word.has(FLAG_SHARED) && word.generation() == page.generation {
+                        format!(
+                            ", shared read-only with {}",
+                            list_holders(&shadow.sharers_of(page.page))
+                        )
+                    } else {
+                        String::new()
+                    };
                     return Ok(self.violation(
                         Finding::new(kind, owner, "receiving into")
                             .at(pool, page)
                             .slot(Some(slots.start))
                             .detail(format!(
-                                "transfer of tokens {}..{} lands in slots {}..{} through a tag of gen {}; the page is {} at gen {}",
+                                "transfer of tokens {}..{} lands in slots {}..{} through a tag of gen {}; the page is {} at gen {}{shared}",
                                 manifest.first_token,
                                 manifest.token_range().end,
                                 slots.start,

@@ -4,9 +4,15 @@
  *
  * Pool: 4 pages x 4 slots x 2 layers. Owner 1 (tenant 7) fills page 0 and
  * half of page 1. Then, by the policy given as argv[1]:
- *   tenant  owner 2 (tenant 7) shares page 0 and reads it: continue;
+ *   tenant  the cache (KVSAN_PREFIX_CACHE_REQUEST, tenant 7) registers
+ *           page 0: continue; the half-written page 1: abort,
+ *           unwritten-share; owner 1 lets go of page 0: continue;
+ *           owner 2 (tenant 7) shares page 0 and reads it: continue;
  *           owner 3 (tenant 9) shares page 0: abort, cross-domain-share;
- *           owner 2 shares the half-written page 1: abort, unwritten-share.
+ *           owner 2 shares the half-written page 1: abort, unwritten-share;
+ *           the cache evicts page 0 and owner 2 still reads it: continue;
+ *           owner 1 fills page 2, the cache registers it, and owner 1
+ *           writes into it: abort, foreign-write.
  *   salt    owners 1 and 3 declared salt 0x5eed, owner 2 salt 0xbad:
  *           owner 3 (another tenant, same salt) shares page 0: continue;
  *           owner 2 (same tenant, other salt): abort, cross-domain-share.
@@ -69,12 +75,27 @@ int main(int argc, char **argv) {
         expect("other tenant, same salt", share(pool, full, other_tenant), NULL);
         expect("same tenant, other salt", share(pool, full, same_tenant), "cross-domain-share");
     } else {
+        KvsanOwner cache = {KVSAN_PREFIX_CACHE_REQUEST, writer.tenant, 0};
+        expect("cache registers the full page", share(pool, full, cache), NULL);
+        expect("cache registers the half-written page", share(pool, half, cache),
+               "unwritten-share");
+        ok(kvsan_free(pool, writer, full, 2, &v), "free");
+        expect("writer lets go of the cached page", v, NULL);
         expect("same tenant", share(pool, full, same_tenant), NULL);
         KvsanRange layers = {0, LAYERS};
         ok(kvsan_read(pool, same_tenant, &full, 1, SLOTS, layers, 2, &v), "read");
         expect("same tenant reads the shared page", v, NULL);
         expect("other tenant", share(pool, full, other_tenant), "cross-domain-share");
         expect("half-written page", share(pool, half, same_tenant), "unwritten-share");
+        ok(kvsan_free(pool, cache, full, 3, &v), "free");
+        expect("cache evicts the page a request still shares", v, NULL);
+        ok(kvsan_read(pool, same_tenant, &full, 1, SLOTS, layers, 3, &v), "read");
+        expect("same tenant reads it after the eviction", v, NULL);
+        KvsanPageRef again = filled(pool, writer, 2, SLOTS);
+        expect("cache registers another page", share(pool, again, cache), NULL);
+        KvsanRange slot = {0, 1};
+        ok(kvsan_write(pool, writer, again, slot, layers, 4, &v), "write");
+        expect("writer writes the page the cache holds", v, "foreign-write");
     }
     uint64_t count = 0;
     ok(kvsan_violation_count(&count), "violation_count");
