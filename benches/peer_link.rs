@@ -191,6 +191,7 @@ fn first_token(engine: &Engine, prompt: &[u32]) -> Duration {
         max_tokens: 1,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     });
     let mut first = None;
     for event in handle.events.iter() {

@@ -1,6 +1,9 @@
 //! `kvsan audit` against real servers on loopback: a `kvsan serve` with no
 //! fault (nothing found, exit 0), one with the incident's fault (found,
-//! exit 1, SARIF), and servers it cannot audit (exit 2).
+//! exit 1, SARIF), one whose prefix cache is shared across tenants
+//! (`--prefix-cache global`: found by timing, exit 1) next to the default
+//! per-tenant cache (a hit with the same key, none across keys: exit 0),
+//! and servers it cannot audit (exit 2).
 
 mod serve_common;
 
@@ -23,8 +26,19 @@ fn keys_file(name: &str) -> String {
     path.to_str().unwrap().to_string()
 }
 
-/// The audit of a server at `listen`, as JSON (and its exit status).
+/// The audit of a server at `listen` (90 requests, 3 timing samples per
+/// arm), as JSON (and its exit status).
 fn audit_json(listen: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
+    audit_json_sized(listen, "90", "3", extra)
+}
+
+/// [`audit_json`] with a budget and timing samples of the caller's.
+fn audit_json_sized(
+    listen: &str,
+    budget: &str,
+    samples: &str,
+    extra: &[&str],
+) -> (Option<i32>, Value, String) {
     let url = format!("http://{listen}");
     let mut args = vec![
         "--base-url",
@@ -34,9 +48,9 @@ fn audit_json(listen: &str, extra: &[&str]) -> (Option<i32>, Value, String) {
         "--other-api-key",
         "sk-probe",
         "--budget",
-        "90",
+        budget,
         "--timing-samples",
-        "3",
+        samples,
         "--seed",
         "7",
         "--json",
@@ -76,8 +90,10 @@ fn a_server_that_cannot_be_reached_or_spoken_to_is_exit_status_2() {
 }
 
 /// SmolLM2 behind `kvsan serve`, no fault: deterministic, every limit
-/// enforced with a 400, no output moved by another tenant's canary, no
-/// cache to see (kvsan's engine has no prefix cache): exit 0.
+/// enforced with a 400, no output moved by another tenant's canary: exit
+/// 0. Three timing samples per arm cannot reach p < 0.01 (the smallest
+/// two-sample KS p-value for 3 and 3 is 0.1), so the timing phase says "no
+/// cache detected"; the cache's timing is the next tests'.
 #[test]
 fn a_server_without_a_fault_is_clean() {
     let keys = keys_file("clean");
@@ -162,4 +178,61 @@ fn the_incidents_fault_is_found_and_written_as_sarif() {
         .expect("the finding is a SARIF result");
     assert_eq!(result["properties"]["evidence"]["limit"], 128, "{result}");
     assert_eq!(result["level"], "error");
+}
+
+/// The audit's timing phase against kvsan's own prefix cache, `samples`
+/// timed requests per arm: the report and exit status for a server with
+/// `policy`.
+fn timing_audit(name: &'static str, policy: &str) -> (Option<i32>, Value, String) {
+    let keys = keys_file(name);
+    let server = Server::http(
+        name,
+        "unified",
+        &[
+            "--context",
+            "256",
+            "--api-keys",
+            &keys,
+            "--prefix-cache",
+            policy,
+        ],
+        &[],
+    );
+    audit_json_sized(&server.listen(), "140", "8", &[])
+}
+
+/// The default per-tenant cache: the same key's repeated prefix is served
+/// from the cache (a hit the timing sees), the other key's is not: isolated
+/// by key, nothing found.
+#[test]
+fn a_per_tenant_prefix_cache_is_seen_with_one_key_and_not_across_keys() {
+    let (code, report, stderr) = timing_audit("audit-cache-tenant", "tenant");
+    assert_eq!(code, Some(0), "{report:#}\n{stderr}");
+    let timing = report["timing"].as_array().unwrap();
+    assert!(
+        timing[0]["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("cache detected"),
+        "{report:#}"
+    );
+    assert!(
+        timing[1]["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("isolated by key"),
+        "{report:#}"
+    );
+}
+
+/// `--prefix-cache global`: a prefix warmed with one key speeds up the
+/// other key's first token — the cross-tenant side channel, found.
+#[test]
+fn a_prefix_cache_shared_across_tenants_is_found_by_timing() {
+    let (code, report, stderr) = timing_audit("audit-cache-global", "global");
+    assert_eq!(code, Some(1), "{report:#}\n{stderr}");
+    assert!(
+        rules(&report).contains(&"cross-key-prefix-cache".to_string()),
+        "{report:#}"
+    );
 }

@@ -44,6 +44,7 @@ fn requests(n: usize, max_prompt: usize, max_new: usize, seed: u64) -> Vec<Reque
                 max_tokens: 1 + rng.below(max_new),
                 sampling: SamplingParams::greedy(),
                 stop_tokens: Vec::new(),
+                cache_salt: Default::default(),
             }
         })
         .collect()
@@ -81,6 +82,7 @@ fn check(n: usize, max_prompt: usize, max_new: usize) {
         scheduler: SchedulerConfig {
             step_tokens: 256,
             max_running: 16,
+            chunk_tokens: None,
         },
         ..EngineConfig::default()
     };

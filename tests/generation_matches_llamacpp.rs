@@ -169,6 +169,7 @@ fn greedy_generation_equals_llamacpp_for_the_first_32_tokens() {
         scheduler: SchedulerConfig {
             step_tokens: 7,
             max_running: 1,
+            chunk_tokens: None,
         },
         ..EngineConfig::default()
     };
@@ -180,6 +181,7 @@ fn greedy_generation_equals_llamacpp_for_the_first_32_tokens() {
             max_tokens: g.ids.len(),
             sampling: SamplingParams::greedy(),
             stop_tokens: vec![2],
+            cache_salt: Default::default(),
         };
         let ids = engine.submit(request).wait().expect("generation").tokens;
         let first_diff = ids.iter().zip(&g.ids).position(|(a, b)| a != b);

@@ -62,6 +62,7 @@ fn request(rng: &mut Rng) -> Request {
         max_tokens: 1 + rng.below(32) as usize,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     }
 }
 
@@ -72,6 +73,7 @@ fn anchor(rng: &mut Rng) -> Request {
         max_tokens: CONTEXT - ANCHOR_PROMPT - 8,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     }
 }
 
@@ -95,6 +97,7 @@ fn config(hooks: Hooks) -> EngineConfig {
         scheduler: SchedulerConfig {
             step_tokens: 256,
             max_running: 8,
+            chunk_tokens: None,
         },
         check: AttentionCheck::Generations,
         hooks,

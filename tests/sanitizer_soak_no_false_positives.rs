@@ -4,9 +4,11 @@
 //!
 //! The mix: six tenants; prompts from 1 token to over the context (rejected
 //! at admission) and over the prefill pool (rejected there in the
-//! disaggregated engine); chunked prefill (small steps); preemption (small
-//! pools); client cancels at random points; poisoned and quarantined freed
-//! pages.
+//! disaggregated engine), most of them starting with one of four shared
+//! system prompts, under the prefix cache (`tenant`: shared within a
+//! tenant, every share checked); chunked prefill (small steps);
+//! preemption and cache eviction (small pools); client cancels at random
+//! points; poisoned and quarantined freed pages.
 //!
 //! The same soak runs once more in a child process of this test binary
 //! (built without `sanitize`) under `LD_PRELOAD` of the shim: the engine
@@ -21,6 +23,7 @@ use std::sync::Arc;
 use kvsan_engine::engine::{Engine, EngineConfig, RequestHandle};
 use kvsan_engine::hooks::{HookTarget, Hooks};
 use kvsan_engine::model::{AttentionCheck, SyntheticSpec};
+use kvsan_engine::prefix_cache::PrefixCachePolicy;
 use kvsan_engine::request::{ErrorKind, Request};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
@@ -54,12 +57,22 @@ fn plan(rng: &mut Rng, disaggregated: bool) -> (Plan, Request) {
         8..=17 => (Plan::Cancel, 1 + rng.below(300)),
         _ => (Plan::Serve, 1 + rng.below(300)),
     };
+    // Two in three prompts begin with a shared system prompt (of 40 to 160
+    // tokens), as far as their length goes.
+    let system = (rng.below(3) > 0).then(|| rng.below(4) as u32);
+    let prompt = (0..len as u32)
+        .map(|i| match system {
+            Some(k) if i < 40 * (k + 1) => (i * 7 + k * 61 + 1) % 256,
+            _ => rng.below(256) as u32,
+        })
+        .collect();
     let request = Request {
         tenant: TenantId(1 + rng.below(6) as u32),
-        prompt: (0..len).map(|_| rng.below(256) as u32).collect(),
+        prompt,
         max_tokens: 1 + rng.below(48) as usize,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     };
     (plan, request)
 }
@@ -107,9 +120,11 @@ fn soak_under(disaggregated: bool, under: &Under) {
         scheduler: SchedulerConfig {
             step_tokens: 64,
             max_running: 8,
+            chunk_tokens: None,
         },
         check: AttentionCheck::Generations,
         hooks,
+        prefix_cache: PrefixCachePolicy::Tenant,
         ..EngineConfig::default()
     };
     let engine = if disaggregated {
@@ -188,12 +203,22 @@ fn soak_under(disaggregated: bool, under: &Under) {
         "the load must preempt: {end:?}"
     );
     assert_eq!(
-        end.front.free_pages, start.front.free_pages,
-        "pages returned"
+        end.front.free_pages + end.front.cached_pages,
+        start.front.free_pages,
+        "pages returned (or kept by the prefix cache)"
     );
     if let (Some(s), Some(e)) = (start.prefill, end.prefill) {
-        assert_eq!(e.free_pages, s.free_pages, "prefill pages returned");
+        assert_eq!(
+            e.free_pages + e.cached_pages,
+            s.free_pages,
+            "prefill pages returned (or kept by the prefix cache)"
+        );
     }
+    let cache = end.prefill.as_ref().unwrap_or(&end.front);
+    assert!(
+        cache.prefix_cache_hits > 0,
+        "the prefix cache is used: {end:?}"
+    );
     assert_eq!(
         end.front.anomalies.total(),
         0,

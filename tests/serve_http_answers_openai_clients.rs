@@ -125,7 +125,8 @@ fn a_streamed_completion_is_sse_chunks_then_usage_then_done() {
     assert_eq!(usage["choices"], json!([]), "{usage}");
     assert_eq!(
         usage["usage"],
-        json!({"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9})
+        json!({"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+               "prompt_tokens_details": {"cached_tokens": 0}})
     );
     let chunks: Vec<Value> = data[..data.len() - 2]
         .iter()
@@ -157,7 +158,8 @@ fn a_completion_not_streamed_has_its_usage_and_finish_reason() {
     assert_eq!(v["choices"][0]["token_ids"].as_array().unwrap().len(), 3);
     assert_eq!(
         v["usage"],
-        json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+        json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+               "prompt_tokens_details": {"cached_tokens": 0}})
     );
     let models = curl(&addr, "/v1/models", &[]).json();
     assert_eq!(models["data"][0]["id"], "synthetic");
@@ -417,6 +419,11 @@ for chunk in client.chat.completions.create(model=model, messages=msgs, max_toke
     if chunk.usage:
         usage = chunk.usage.model_dump()
 seen["chat_stream"] = {"text": "".join(pieces), "usage": usage}
+# The same chat with another tenant's key: nothing of tenant 1's prompt is cached for it.
+other = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="sk-beta", max_retries=0)
+theirs = other.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+seen["other_tenant_chat"] = {"text": theirs.choices[0].message.content,
+                             "cached": theirs.usage.prompt_tokens_details.cached_tokens}
 done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
 seen["completion"] = {"text": done.choices[0].text, "usage": done.usage.model_dump()}
 streamed = "".join(c.choices[0].text for c in client.completions.create(
@@ -447,7 +454,7 @@ fn the_openai_python_client_chats_and_completes_streamed_and_not() {
     );
     let dir = tempfile_dir();
     let keys = dir.join("keys");
-    std::fs::write(&keys, "sk-alpha 1\n").unwrap();
+    std::fs::write(&keys, "sk-alpha 1\nsk-beta 2\n").unwrap();
     let (_server, addr, model) = text_server(&["--api-keys", keys.to_str().unwrap()]);
     let out = Command::new("python3")
         .args(["-c", PYTHON_CLIENT, &addr, &model])
@@ -466,10 +473,23 @@ fn the_openai_python_client_chats_and_completes_streamed_and_not() {
         usage["total_tokens"].as_u64().unwrap(),
         usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
     );
-    // Greedy: the streamed answer is the same text, and its usage chunk came.
+    // Greedy: the streamed answer is the same text, and its usage chunk
+    // came, with the same counts — and the repeated prompt's full pages
+    // from the prefix cache (the default policy, one tenant).
     assert_eq!(seen["chat_stream"]["text"], seen["chat"]["text"], "{seen}");
+    let streamed = &seen["chat_stream"]["usage"];
+    for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(streamed[count], usage[count], "{count}: {seen}");
+    }
+    let cached = |u: &Value| u["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert_eq!(cached(usage), Some(0), "the first chat: {seen}");
+    let hit = cached(streamed).expect("cached_tokens parsed by the client");
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(hit > 0 && hit < prompt && hit % 16 == 0, "{seen}");
+    // Another tenant: the same answer, computed afresh.
+    assert_eq!(seen["other_tenant_chat"]["cached"], 0, "{seen}");
     assert_eq!(
-        seen["chat_stream"]["usage"], seen["chat"]["usage"],
+        seen["other_tenant_chat"]["text"], seen["chat"]["text"],
         "{seen}"
     );
     assert_eq!(

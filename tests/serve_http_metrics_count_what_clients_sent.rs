@@ -1,6 +1,7 @@
 //! `GET /metrics` of `kvsan serve`: OpenMetrics text that the
 //! Prometheus project's parser accepts, whose counters match what the test
-//! sent, under vLLM's names and kvsan's; a client that leaves mid-stream
+//! sent, under vLLM's names and kvsan's (a repeated prompt raising the
+//! prefix cache's: `serve_prefix_cache_*`); a client that leaves mid-stream
 //! is counted as an abort and its pages are seen coming back; and the
 //! anomaly monitor, with no sanitizer, flags the incident's fault (and
 //! aborts it when asked).
@@ -105,6 +106,14 @@ fn the_counters_match_what_the_clients_sent() {
     assert_eq!(m.value("vllm:num_requests_waiting", &[]), 0.0);
     assert_eq!(m.value("vllm:kv_cache_usage_perc", &[]), 0.0);
     assert_eq!(m.value("vllm:num_preemptions_total", &[]), 0.0);
+    // The prefill node's cache looked up every admitted prompt; none of
+    // them fills a page, so none is kept or found.
+    assert_eq!(
+        m.value("vllm:prefix_cache_queries_total", &[]),
+        prompts as f64
+    );
+    assert_eq!(m.value("vllm:prefix_cache_hits_total", &[]), 0.0);
+    assert_eq!(m.value("kvsan:cached_pages", &[("node", "prefill")]), 0.0);
     for kind in ["short-kv", "fast-first-token"] {
         assert_eq!(
             m.value("kvsan:anomalies_total", &[("kind", kind)]),

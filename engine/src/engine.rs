@@ -22,6 +22,7 @@ use crate::node::executor::{Executor, NodeSettings};
 use crate::node::prefill::{Exit, PrefillNode};
 use crate::node::scheduler::{Scheduler, SchedulerConfig};
 use crate::node::{Command, NodeStats, unified};
+use crate::prefix_cache::PrefixCachePolicy;
 use crate::request::{Event, FinishReason, Request, RequestError};
 use crate::transport::{Inbound, Link, ToDecode, ToPrefill, in_process};
 
@@ -49,6 +50,9 @@ pub struct EngineConfig {
     pub hooks: Hooks,
     /// What the anomaly monitor does with a flagged request.
     pub anomaly: AnomalyAction,
+    /// The prefix cache of the nodes that compute prompts (unified and
+    /// prefill), and who may share its pages.
+    pub prefix_cache: PrefixCachePolicy,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +69,7 @@ impl Default for EngineConfig {
             check: default_check(&hooks),
             hooks,
             anomaly: AnomalyAction::default(),
+            prefix_cache: PrefixCachePolicy::Off,
         }
     }
 }
@@ -102,11 +107,17 @@ impl EngineConfig {
         role: NodeRole,
         name: &str,
     ) -> Result<Executor, EngineError> {
+        // Decode receives every prompt's KV from prefill: its pool caches nothing.
+        let prefix_cache = match role {
+            NodeRole::Decode => PrefixCachePolicy::Off,
+            _ => self.prefix_cache,
+        };
         let settings = NodeSettings {
             page_slots: self.page_slots,
             hooks: self.hooks.clone(),
             check: self.check,
             anomaly: self.anomaly,
+            prefix_cache,
         };
         Executor::new(model, pages, role, name, settings)
     }
@@ -177,6 +188,8 @@ pub struct Output {
     pub tokens: Vec<u32>,
     /// Why it finished.
     pub reason: FinishReason,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 impl RequestHandle {
@@ -190,7 +203,17 @@ impl RequestHandle {
         for event in self.events.iter() {
             match event {
                 Event::Token(t) => tokens.push(t),
-                Event::Finished { reason, .. } => return Ok(Output { tokens, reason }),
+                Event::Finished {
+                    reason,
+                    cached_tokens,
+                    ..
+                } => {
+                    return Ok(Output {
+                        tokens,
+                        reason,
+                        cached_tokens,
+                    });
+                }
                 Event::Error(e) => return Err(e),
             }
         }

@@ -22,6 +22,12 @@
 //! | `decode-length-overrun` | a decode row of a sequence past `LONG_DECODE_TOKENS` (`node/batch.rs`) tokens takes the long-context path, whose attention length the batch gives as the row's pages' capacity (pages × page slots) instead of its tokens: it attends over its last page's unwritten slots, which hold the page's previous owner's KV |
 //! | `block-table-row-order` | the batch's kernel rows (queries, lengths, store positions) are sorted longest-query first for the kernel's load balance, but the block-table array is written in plan order: a row whose place moved reads, and stores into, another row's pages |
 //! | `slot-mapping-chunk-offset` | a prefill chunk that starts inside a page gets its store slots counted from the chunk's start (`i % page_slots`, not `(start + i) % page_slots`): its tokens' KV lands on slots its own earlier tokens hold, and its real slots stay as the page's previous owner left them, which attention then reads |
+//! | `cache-register-before-write` | the prefix cache registers a page when it is allocated for a prompt chunk, keyed by the prompt tokens it is to hold, not after the step that writes them: a request admitted in the same step finds the page, and attends over its slots that the writer's next chunk has not yet written — the page's previous owner's KV |
+//! | `cache-salt-dropped` | the pages a request registers after a step are keyed without its cache salt (the lookup at admission keeps it): an unsalted request of another domain finds a salted request's prompt in the cache — the prompt-caching side channel, seen in `cached_tokens` and time to first token |
+//! | `cache-key-collision` | the prefix cache's extra keys concatenate the server-side and the client's salts untyped: a key's server salt `s` and another request's `cache_salt` `s` key the same pages |
+//! | `cache-evict-referenced` | when no cached page is unreferenced, eviction takes the oldest cached page anyway and returns it to the pool while requests still read it: the next allocation hands it to another request, whose KV they then attend over |
+//! | `cache-partial-page-shared` | the prefix cache registers a sequence's partial last page after each step and shares it without a copy: a later request with the same prefix writes its own tokens into the page's free slots, which the page's owner fills with its own answer and attends over |
+//! | `cache-keeps-aborted` | a request that leaves before its prefill is done (preempted, cancelled, aborted) has its pages registered in the prefix cache under the prompt tokens they were to hold, as if the prefill had filled them: a later request with that prompt attends over slots never written for it |
 //! | `stale-batch-array` | the batch's block-table array is kept from step to step, and a row whose table has as many pages as the row held last step is taken as unchanged: when a request leaves and the next takes its row with as many pages, it stores into and reads the pages of the request that left |
 
 /// A fault this build can inject.
@@ -57,11 +63,23 @@ pub enum Fault {
     SlotMappingChunkOffset,
     /// A batch block-table row kept from the previous step for a new occupant.
     StaleBatchArray,
+    /// A page enters the prefix cache before the step that writes it.
+    CacheRegisterBeforeWrite,
+    /// A request's cache salt is left out of the keys it registers pages under.
+    CacheSaltDropped,
+    /// The prefix cache's two kinds of salt concatenated untyped.
+    CacheKeyCollision,
+    /// Eviction of a cached page that requests still hold.
+    CacheEvictReferenced,
+    /// A partial page shared without a copy.
+    CachePartialPageShared,
+    /// An unfinished prefill's pages registered in the prefix cache.
+    CacheKeepsAborted,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 13] = [
+    pub const ALL: [Fault; 19] = [
         Fault::RejectAsPlaceholder,
         Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
@@ -75,6 +93,12 @@ impl Fault {
         Fault::BlockTableRowOrder,
         Fault::SlotMappingChunkOffset,
         Fault::StaleBatchArray,
+        Fault::CacheRegisterBeforeWrite,
+        Fault::CacheSaltDropped,
+        Fault::CacheKeyCollision,
+        Fault::CacheEvictReferenced,
+        Fault::CachePartialPageShared,
+        Fault::CacheKeepsAborted,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -94,6 +118,12 @@ impl Fault {
             Fault::BlockTableRowOrder => "block-table-row-order",
             Fault::SlotMappingChunkOffset => "slot-mapping-chunk-offset",
             Fault::StaleBatchArray => "stale-batch-array",
+            Fault::CacheRegisterBeforeWrite => "cache-register-before-write",
+            Fault::CacheSaltDropped => "cache-salt-dropped",
+            Fault::CacheKeyCollision => "cache-key-collision",
+            Fault::CacheEvictReferenced => "cache-evict-referenced",
+            Fault::CachePartialPageShared => "cache-partial-page-shared",
+            Fault::CacheKeepsAborted => "cache-keeps-aborted",
         }
     }
 

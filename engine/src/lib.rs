@@ -30,6 +30,7 @@ pub mod kv_access;
 pub mod kv_pool;
 pub mod model;
 pub mod node;
+pub mod prefix_cache;
 pub mod request;
 pub mod sampler;
 #[cfg(feature = "faults")]

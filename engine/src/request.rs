@@ -20,7 +20,63 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Tokens that end generation (not emitted).
     pub stop_tokens: Vec<u32>,
+    /// The prefix-cache salt (vLLM's `cache_salt`): pages of a salted
+    /// request are shared only with requests of the same salt.
+    pub cache_salt: CacheSalt,
 }
+
+/// A request's prefix-cache salt, in its two kinds: set by the server for
+/// the API key (the keys file's third column) and sent by the client
+/// (`cache_salt`). Both narrow sharing; neither is ever logged.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CacheSalt {
+    /// The API key's salt, set server-side.
+    pub server: Option<String>,
+    /// The request's own `cache_salt`.
+    pub client: Option<String>,
+}
+
+impl CacheSalt {
+    /// No salt of either kind.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.server.is_none() && self.client.is_none()
+    }
+
+    /// The salt's typed encoding: each kind a tag byte, a 4-byte length and
+    /// its bytes, so that no two kinds (or two splits of one string) can
+    /// encode alike. Empty when there is no salt.
+    #[must_use]
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (tag, part) in [
+            (SALT_SERVER_TAG, &self.server),
+            (SALT_CLIENT_TAG, &self.client),
+        ] {
+            if let Some(s) = part {
+                out.push(tag);
+                out.extend_from_slice(&u32::try_from(s.len()).unwrap_or(u32::MAX).to_le_bytes());
+                out.extend_from_slice(s.as_bytes());
+            }
+        }
+        out
+    }
+
+    /// The number the sanitizer knows the salt by (`declare_salt`): a
+    /// 64-bit hash of [`CacheSalt::encode`], never 0; 0 when there is no salt.
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        if self.is_empty() {
+            return 0;
+        }
+        xxhash_rust::xxh3::xxh3_64(&self.encode()).max(1)
+    }
+}
+
+/// Tag of the server-side salt in [`CacheSalt::encode`].
+pub(crate) const SALT_SERVER_TAG: u8 = 0x53;
+/// Tag of the client's salt in [`CacheSalt::encode`].
+pub(crate) const SALT_CLIENT_TAG: u8 = 0x43;
 
 /// Why a request finished normally.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -235,6 +291,8 @@ pub enum Event {
         prompt_tokens: usize,
         /// Tokens generated.
         generated: usize,
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: usize,
     },
     /// The request failed; no more events follow.
     Error(RequestError),

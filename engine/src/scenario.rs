@@ -26,6 +26,7 @@ use crate::engine::{Engine, EngineConfig, Output};
 use crate::faults::{self, Fault};
 use crate::hooks::Hooks;
 use crate::model::{AttentionCheck, Model, SyntheticSpec};
+use crate::prefix_cache::PrefixCachePolicy;
 use crate::request::{Request, RequestError};
 use crate::sampler::SamplingParams;
 
@@ -83,6 +84,10 @@ pub enum Culprit {
     /// refused, so no client sees an abort and the probe gets the output of
     /// a correct engine.
     Ended,
+    /// No request: the prefix cache's registration of a page is refused
+    /// (reported against the cache), so no client sees an abort and no
+    /// request finds the page.
+    Cache,
 }
 
 impl Culprit {
@@ -93,6 +98,7 @@ impl Culprit {
             Culprit::Probe => "probe",
             Culprit::Victim => "victim",
             Culprit::Ended => "ended",
+            Culprit::Cache => "cache",
         }
     }
 }
@@ -450,6 +456,159 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::CacheRegisterBeforeWrite => Scenario {
+                fault,
+                expected: ViolationKind::UnwrittenShare,
+                culprit: Culprit::Cache,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: configure_slow_prefill,
+                drive: |engine, seed| {
+                    // The victim's one partial page goes back to the top of
+                    // the free list. The probe's tenant's first request H
+                    // gets it as its first page, and fills it one token a
+                    // step (256 steps). Under the fault the page is in the
+                    // cache from its allocation, keyed by the 256 prompt
+                    // tokens it is to hold; the probe, admitted a step or
+                    // two later with the same first 256 tokens, shares it and
+                    // attends over the slots H has not reached: the
+                    // victim's KV. The one margin: the probe's submission,
+                    // sent right after H's, must be admitted within H's 256
+                    // steps. With the sanitizer the registration is refused
+                    // (the page is not written) and the probe computes its
+                    // prompt itself.
+                    let v = engine.submit(victim(seed, SLOW_VICTIM_TOKENS, 3)).wait();
+                    let h = engine.submit(probe(SLOW_HELPER_TOKENS, 1));
+                    let p = engine.submit(probe(SLOW_PROBE_TOKENS, 8));
+                    let (p, _) = (p.wait(), h.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::CacheKeepsAborted => Scenario {
+                fault,
+                drive: |engine, seed| {
+                    // The victim's partial page goes back to the top of the
+                    // free list; H (the probe's tenant) gets it as its first
+                    // page and is cancelled a few of its 256 one-token steps
+                    // in. Under the fault H's release registers the page
+                    // under the 256 prompt tokens it was to hold, and the
+                    // probe, with those tokens, attends over the victim's
+                    // KV in the slots H never wrote. The margin: the cancel
+                    // is sent once H runs and must land within its 256
+                    // steps. With the sanitizer the registration is refused.
+                    let v = engine.submit(victim(seed, SLOW_VICTIM_TOKENS, 3)).wait();
+                    let h = engine.submit(probe(SLOW_HELPER_TOKENS, 1));
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                    // Each stats answer comes between two steps: no sleep,
+                    // so the cancel follows H's admission by a step or two.
+                    while engine.stats().front.running == 0 && std::time::Instant::now() < deadline
+                    {
+                        std::thread::yield_now();
+                    }
+                    engine.cancel(h.id);
+                    let _ = h.wait();
+                    let p = engine.submit(probe(SLOW_PROBE_TOKENS, 8)).wait();
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+                // The kind, culprit and settings of `cache-register-before-write`.
+                ..Scenario::of(Fault::CacheRegisterBeforeWrite)
+            },
+            Fault::CacheSaltDropped => Scenario {
+                fault,
+                expected: ViolationKind::CrossDomainShare,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| cfg.prefix_cache = PrefixCachePolicy::Salt,
+                drive: |engine, seed| {
+                    // The victim's key carries a server-side salt; under the
+                    // fault its pages are registered without it, and the
+                    // unsalted probe of another tenant finds them.
+                    timing_leak(engine, seed, ("victim-key", None))
+                },
+            },
+            Fault::CacheKeyCollision => Scenario {
+                fault,
+                drive: |engine, seed| {
+                    // The victim's key has the server-side salt `ab`; the
+                    // probe, of another tenant, sends `cache_salt: "ab"`.
+                    // Typed, the two salts are different keys; under the
+                    // fault they are the same bytes.
+                    timing_leak(engine, seed, ("ab", Some("ab")))
+                },
+                // The kind, culprit and settings of `cache-salt-dropped`.
+                ..Scenario::of(Fault::CacheSaltDropped)
+            },
+            Fault::CacheEvictReferenced => Scenario {
+                fault,
+                expected: ViolationKind::DoubleAlloc,
+                culprit: Culprit::Victim,
+                kernel_check: Some(Culprit::Probe),
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| {
+                    cfg.prefix_cache = PrefixCachePolicy::Tenant;
+                    cfg.pool_tokens = Some(EVICT_POOL_PAGES * cfg.page_slots);
+                    cfg.allow_pool_smaller_than_context = true;
+                },
+                drive: |engine, seed| {
+                    // H (the probe's tenant) leaves its prompt's 3 pages in
+                    // the cache; the probe, admitted first (first come,
+                    // first served), shares the first two and takes one of
+                    // the 8 free pages. The victim's prompt needs 10 pages:
+                    // eviction takes the one unreferenced cached page, then,
+                    // under the fault, the oldest cached page though the
+                    // probe reads it, and the pool hands it to the victim,
+                    // whose prompt KV the probe then attends over (in the
+                    // same step when both are admitted together, else within
+                    // the probe's 48 decode steps). With the sanitizer the
+                    // allocation of a page still held is refused
+                    // (double-alloc) and the victim aborted before it
+                    // writes; the probe's pages are untouched.
+                    let _ = engine.submit(probe(TIMING_TOKENS, 1)).wait();
+                    let p = engine.submit(probe(TIMING_TOKENS, EVICT_PROBE_ANSWER));
+                    let v = engine.submit(victim(seed, EVICT_VICTIM_TOKENS, 1));
+                    let (p, v) = (p.wait(), v.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::CachePartialPageShared => Scenario {
+                fault,
+                expected: ViolationKind::UnwrittenShare,
+                culprit: Culprit::Cache,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| cfg.prefix_cache = PrefixCachePolicy::Tenant,
+                drive: |engine, seed| {
+                    // Two users of one tenant (the cache may share their
+                    // prompts' full pages, never their answers). The probe's
+                    // 40-token prompt ends half-way into its third page,
+                    // which under the fault is registered after its
+                    // prefill, partial. The victim's prompt is the probe's
+                    // plus 8 tokens of its own: it shares the two full
+                    // pages and the partial one, without a copy, and writes
+                    // its 8 tokens' KV into the slots the probe's answer
+                    // goes to, which the probe attends over. With the
+                    // sanitizer the partial page's registration is refused
+                    // (not every slot written) and the victim computes its
+                    // own copy.
+                    let p = engine.submit(probe(PARTIAL_PROBE_TOKENS, PARTIAL_PROBE_ANSWER));
+                    let first = p.events.recv();
+                    let mut prompt = probe(PARTIAL_PROBE_TOKENS, 1).prompt;
+                    prompt.extend(victim(seed, 8, 1).prompt);
+                    let v = engine.submit(request(PROBE_TENANT, prompt, 1));
+                    let p = with_first(first, &p);
+                    let v = v.wait();
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
         }
     }
 
@@ -645,18 +804,7 @@ fn cancel_behind_filler(engine: &Engine, victim: Request) -> ScenarioRun {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     engine.cancel(v.id);
-    let probe = match first {
-        Ok(crate::request::Event::Token(t)) => p.wait().map(|mut out| {
-            out.tokens.insert(0, t);
-            out
-        }),
-        Ok(crate::request::Event::Error(e)) => Err(e),
-        Ok(crate::request::Event::Finished { reason, .. }) => Ok(Output {
-            tokens: Vec::new(),
-            reason,
-        }),
-        Err(_) => p.wait(),
-    };
+    let probe = with_first(first, &p);
     let victim = v.wait();
     let _ = filler.wait();
     let bystander = engine.submit(bystander());
@@ -741,6 +889,94 @@ pub fn scenario_model() -> Result<Arc<Model>, EngineError> {
     Ok(Arc::new(SyntheticSpec::default().build()?))
 }
 
+/// Page size and per-sequence chunk of the `cache-register-before-write`
+/// and `cache-keeps-aborted` scripts: a page takes `SLOW_PAGE_SLOTS`
+/// one-token steps to fill, the margin for the probe's admission or H's
+/// cancel.
+fn configure_slow_prefill(cfg: &mut EngineConfig) {
+    cfg.prefix_cache = PrefixCachePolicy::Tenant;
+    cfg.page_slots = SLOW_PAGE_SLOTS;
+    cfg.scheduler.chunk_tokens = Some(1);
+}
+
+/// Page slots of the slow-prefill scripts.
+const SLOW_PAGE_SLOTS: usize = 256;
+/// Their victim: one partial page.
+const SLOW_VICTIM_TOKENS: u32 = 200;
+/// H's prompt: two pages.
+const SLOW_HELPER_TOKENS: u32 = 512;
+/// The probe's prompt: H's first page and 64 tokens more.
+const SLOW_PROBE_TOKENS: u32 = 320;
+
+/// Prompt tokens of the timing scripts' probe (three 16-slot pages).
+const TIMING_TOKENS: u32 = 48;
+
+/// The timing scripts' victim: a prompt equal to the probe's (victim 1) or
+/// its own (any other), so whether the probe finds it in the cache is what
+/// the victim asked.
+fn timing_victim(seed: u32) -> Request {
+    let mut v = victim(seed, TIMING_TOKENS, 1);
+    if seed == 1 {
+        v.prompt = probe(TIMING_TOKENS, 1).prompt;
+    }
+    v
+}
+
+/// The script of the cache's timing leaks: the victim (its key's salt
+/// `salts.0`) then the probe of another tenant (its `cache_salt`
+/// `salts.1`). The probe finds the victim's prompt in the cache, under the
+/// fault, when it begins like the probe's (victim 1) and not otherwise
+/// (victim 2): its `cached_tokens` (and its time to first token) tell it
+/// what another tenant asked.
+fn timing_leak(engine: &Engine, seed: u32, salts: (&str, Option<&str>)) -> ScenarioRun {
+    let mut v = timing_victim(seed);
+    v.cache_salt.server = Some(salts.0.into());
+    let v = engine.submit(v).wait();
+    let mut p = probe(TIMING_TOKENS, 4);
+    p.cache_salt.client = salts.1.map(Into::into);
+    let p = engine.submit(p).wait();
+    let bystander = engine.submit(bystander());
+    finish(v, p, &bystander)
+}
+
+/// Pages of the `cache-evict-referenced` pool.
+const EVICT_POOL_PAGES: usize = 12;
+/// The probe's answer there (decode steps it reads the shared pages).
+const EVICT_PROBE_ANSWER: usize = 48;
+/// The victim's prompt there: more pages than the probe leaves free.
+const EVICT_VICTIM_TOKENS: u32 = 150;
+
+/// The `cache-partial-page-shared` probe's prompt: two pages and a half.
+const PARTIAL_PROBE_TOKENS: u32 = 40;
+/// Its answer: decode steps during which the victim's write into the
+/// shared partial page reaches it (the margin for the victim's submission,
+/// sent at the probe's first token).
+const PARTIAL_PROBE_ANSWER: usize = 1000;
+
+/// The outcome of `handle`, whose first event was already taken (`first`).
+fn with_first(
+    first: Result<crate::request::Event, crossbeam_channel::RecvError>,
+    handle: &crate::engine::RequestHandle,
+) -> Result<Output, RequestError> {
+    match first {
+        Ok(crate::request::Event::Token(t)) => handle.wait().map(|mut out| {
+            out.tokens.insert(0, t);
+            out
+        }),
+        Ok(crate::request::Event::Error(e)) => Err(e),
+        Ok(crate::request::Event::Finished {
+            reason,
+            cached_tokens,
+            ..
+        }) => Ok(Output {
+            tokens: Vec::new(),
+            reason,
+            cached_tokens,
+        }),
+        Err(_) => handle.wait(),
+    }
+}
+
 /// Tenant A's request: `len` prompt tokens that depend on `seed`.
 #[must_use]
 pub fn victim(seed: u32, len: u32, max_tokens: usize) -> Request {
@@ -771,6 +1007,7 @@ fn request(tenant: TenantId, prompt: Vec<u32>, max_tokens: usize) -> Request {
         max_tokens,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: crate::request::CacheSalt::default(),
     }
 }
 

@@ -33,6 +33,7 @@ fn request(rng: &mut ChaCha8Rng, max_prompt: usize, max_new: usize, vocab: u32) 
         max_tokens: rng.random_range(1..=max_new),
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     }
 }
 
@@ -72,6 +73,7 @@ fn check_load(disaggregated: bool) {
         scheduler: SchedulerConfig {
             step_tokens: 256,
             max_running: 32,
+            chunk_tokens: None,
         },
         ..EngineConfig::default()
     };
@@ -135,6 +137,7 @@ fn a_pool_of_a_few_pages_forces_preemption_and_every_request_finishes() {
             scheduler: SchedulerConfig {
                 step_tokens: 64,
                 max_running: 16,
+                chunk_tokens: None,
             },
             ..EngineConfig::default()
         };
@@ -176,6 +179,7 @@ fn the_incident_scaled_down_is_a_clean_rejection_with_nothing_allocated_or_sent(
         max_tokens: 16,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     };
     let err = engine
         .submit(oversize)
@@ -217,6 +221,7 @@ fn a_request_over_the_context_is_rejected_naming_the_limit() {
         max_tokens: 200,
         sampling: SamplingParams::greedy(),
         stop_tokens: vec![],
+        cache_salt: Default::default(),
     };
     let err = engine.submit(r).wait().expect_err("over the context");
     assert_eq!(err.kind, ErrorKind::Rejected);
@@ -251,6 +256,7 @@ fn a_pool_smaller_than_the_context_is_refused_at_start_unless_allowed() {
         max_tokens: 4,
         sampling: SamplingParams::greedy(),
         stop_tokens: vec![],
+        cache_salt: Default::default(),
     };
     let err = engine.submit(r).wait().expect_err("does not fit the pool");
     assert!(
@@ -276,6 +282,7 @@ fn cancelling_mid_decode_frees_the_pages_and_others_go_on() {
             max_tokens: 3000,
             sampling: SamplingParams::greedy(),
             stop_tokens: vec![],
+            cache_salt: Default::default(),
         };
         let other = Request {
             tenant: TenantId(2),

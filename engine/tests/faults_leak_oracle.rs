@@ -46,7 +46,9 @@ fn sanitizer_with_sink() -> (Arc<Sanitizer>, ReportBuffer) {
 /// rejection limit (messages carry request ids, which differ run to run).
 fn seen(r: &Result<Output, RequestError>) -> String {
     match r {
-        Ok(out) => format!("tokens {:?}", out.tokens),
+        // The prompt tokens it found in the prefix cache are seen too (in
+        // `usage`, and in its time to first token).
+        Ok(out) => format!("tokens {:?}, cached {}", out.tokens, out.cached_tokens),
         Err(e) => format!(
             "error {} {:?}",
             e.kind.name(),
@@ -132,7 +134,7 @@ fn culprit_of(culprit: Culprit, run: &ScenarioRun) -> Option<&Result<Output, Req
     match culprit {
         Culprit::Probe => Some(&run.probe),
         Culprit::Victim => Some(&run.victim),
-        Culprit::Ended => None,
+        Culprit::Ended | Culprit::Cache => None,
     }
 }
 
@@ -259,6 +261,12 @@ fault_tests! {
     block_table_row_order => Fault::BlockTableRowOrder,
     slot_mapping_chunk_offset => Fault::SlotMappingChunkOffset,
     stale_batch_array => Fault::StaleBatchArray,
+    cache_register_before_write => Fault::CacheRegisterBeforeWrite,
+    cache_salt_dropped => Fault::CacheSaltDropped,
+    cache_key_collision => Fault::CacheKeyCollision,
+    cache_evict_referenced => Fault::CacheEvictReferenced,
+    cache_partial_page_shared => Fault::CachePartialPageShared,
+    cache_keeps_aborted => Fault::CacheKeepsAborted,
 }
 
 macro_rules! kernel_check_tests {
@@ -283,6 +291,7 @@ macro_rules! kernel_check_tests {
 kernel_check_tests! {
     kernel_check_alone_catches_stale_block_table => Fault::StaleBlockTable,
     kernel_check_alone_catches_double_free => Fault::DoubleFree,
+    kernel_check_alone_catches_cache_evict_referenced => Fault::CacheEvictReferenced,
 }
 
 #[test]

@@ -41,6 +41,7 @@ fn run(disaggregated: bool) {
         scheduler: SchedulerConfig {
             step_tokens: 64,
             max_running: 8,
+            chunk_tokens: None,
         },
         check: AttentionCheck::Generations,
         hooks,
@@ -63,6 +64,7 @@ fn run(disaggregated: bool) {
                 max_tokens: rng.random_range(1..=40),
                 sampling: SamplingParams::greedy(),
                 stop_tokens: Vec::new(),
+                cache_salt: Default::default(),
             })
         })
         .collect();

@@ -78,6 +78,7 @@ fn request(prompt_len: u32) -> Request {
         max_tokens: 3,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     }
 }
 
@@ -140,6 +141,7 @@ fn a_landed_notice_on_a_link_without_rdma_aborts_its_request_by_name() {
         .send(ToDecode::PrefillDone {
             request: order.owner.request,
             first_token: 1,
+            cached_tokens: 0,
         })
         .unwrap();
     let err = handle
@@ -183,6 +185,7 @@ fn the_same_transfer_with_its_bytes_in_the_message_is_accepted() {
         .send(ToDecode::PrefillDone {
             request: order.owner.request,
             first_token: 1,
+            cached_tokens: 0,
         })
         .unwrap();
     let out = handle.wait().expect("the transfer is accepted");

@@ -160,6 +160,7 @@ fn kv_lands_byte_for_byte(auth: Option<PeerKey>) {
         sampling: SamplingParams::greedy(),
         dst_pool: PoolId(1),
         dst_pages: dst_pages.clone(),
+        cache_salt: Default::default(),
     });
     decode.send(order.clone()).unwrap();
     assert_eq!(recv(&prefill_inbox), order);
@@ -207,6 +208,7 @@ fn kv_lands_byte_for_byte(auth: Option<PeerKey>) {
         let done = ToDecode::PrefillDone {
             request: RequestId(1),
             first_token: 42,
+            cached_tokens: 0,
         };
         prefill.send(done.clone()).unwrap();
 

@@ -77,7 +77,7 @@ fn an_unsupported_version_names_the_supported_ones() {
         "{e}"
     );
     assert!(
-        e.to_string().contains("version 7") && e.to_string().contains("[1]"),
+        e.to_string().contains("version 7") && e.to_string().contains("[2]"),
         "{e}"
     );
     assert!(!frame_fault_keeps_stream(&e));

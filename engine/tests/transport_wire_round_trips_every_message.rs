@@ -109,7 +109,11 @@ fn the_header_is_the_documented_layout() {
     assert_eq!(bytes[7], wire::FLAG_REQUEST);
     let len = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
     assert_eq!(len, bytes.len() - HEADER_LEN);
-    assert_eq!(len, 8 + 4, "request u64 + first token u32");
+    assert_eq!(
+        len,
+        8 + 4 + 4,
+        "request u64 + first token u32 + cached tokens u32"
+    );
     assert_eq!(
         u64::from_le_bytes(bytes[12..20].try_into().unwrap()),
         0x0102_0304_0506_0708

@@ -1,13 +1,23 @@
 //! The engine flags `generate` and `serve` share: pool sizes, page size,
-//! step limits, `--inject` (fault injection, builds with `faults`) and
-//! `--anomaly`.
+//! step limits, `--prefix-cache`, `--inject` (fault injection, builds with
+//! `faults`) and `--anomaly`.
+//!
+//! The prefix cache's policy is also the sanitizer's rule for shares:
+//!
+//! ```text
+//!  hook target            what checks each share                  --prefix-cache salt|global
+//!  in-process sanitizer   KVSAN_OPTIONS' prefix_share             without prefix_share in KVSAN_OPTIONS:
+//!  (feature `sanitize`)   (default tenant)                        the engine's policy (said at start)
+//!  preloaded shim         the library's own KVSAN_OPTIONS         a note at start: set prefix_share to match
+//! ```
 
 use anyhow::Context;
 use kvsan_engine::anomaly::AnomalyAction;
 use kvsan_engine::engine::EngineConfig;
 use kvsan_engine::faults::{self, Fault};
-use kvsan_engine::hooks::Hooks;
+use kvsan_engine::hooks::{HookTarget, Hooks};
 use kvsan_engine::model::AttentionCheck;
+use kvsan_engine::prefix_cache::PrefixCachePolicy;
 use kvsan_engine::scheduler::SchedulerConfig;
 
 /// Engine flags.
@@ -48,6 +58,28 @@ pub struct EngineArgs {
     /// abort it.
     #[arg(long, value_enum, default_value_t = Anomaly::Log)]
     pub anomaly: Anomaly,
+    /// Which requests may share the prompt pages the prefix cache keeps
+    /// (nodes that compute prompts: unified, prefill). `tenant` (the
+    /// default): one API key's tenant, and one cache salt when salted;
+    /// `salt`: one cache salt across tenants (unsalted requests share among
+    /// themselves, as in vLLM); `global`: every request — another tenant's
+    /// prompt then shows in time to first token and `cached_tokens`;
+    /// `off`: no cache.
+    #[arg(long, value_name = "POLICY", value_parser = prefix_cache_parser())]
+    pub prefix_cache: Option<PrefixCachePolicy>,
+}
+
+/// The policy without `--prefix-cache`.
+pub const DEFAULT_PREFIX_CACHE: PrefixCachePolicy = PrefixCachePolicy::Tenant;
+
+/// `--prefix-cache`'s values, listed in `--help` and in the error of a bad one.
+fn prefix_cache_parser() -> impl clap::builder::TypedValueParser<Value = PrefixCachePolicy> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(PrefixCachePolicy::ALL.map(PrefixCachePolicy::name))
+        .map(|name| {
+            name.parse::<PrefixCachePolicy>()
+                .expect("a possible value is a policy's name")
+        })
 }
 
 /// `--anomaly`.
@@ -62,8 +94,11 @@ pub enum Anomaly {
 
 impl EngineArgs {
     /// The engine configuration, with the process's hooks (refusing to start
-    /// on a bad `KVSAN_OPTIONS` in a debug build) and the injected faults
-    /// switched on.
+    /// on a bad `KVSAN_OPTIONS` in a debug build; the in-process sanitizer
+    /// checking shares as the module's table says) and the injected faults
+    /// switched on. Says at start what `--prefix-cache global` opens and
+    /// which rule a sanitizer checks shares against when it is not the
+    /// engine's.
     ///
     /// # Errors
     /// A bad `KVSAN_OPTIONS`, or `--inject` in a build without fail points.
@@ -73,7 +108,9 @@ impl EngineArgs {
             let names: Vec<&str> = self.inject.iter().map(|f| f.name()).collect();
             eprintln!("kvsan: injecting faults: {}", names.join(","));
         }
-        let hooks = Hooks::from_environment().context("the sanitizer cannot start")?;
+        let prefix_cache = self.prefix_cache();
+        let hooks = hooks_for(prefix_cache)?;
+        say_prefix_cache(prefix_cache, &hooks);
         let check = if hooks.is_attached() {
             AttentionCheck::Generations
         } else {
@@ -89,6 +126,7 @@ impl EngineArgs {
             scheduler: SchedulerConfig {
                 step_tokens: self.step_tokens,
                 max_running: self.max_running,
+                chunk_tokens: None,
             },
             check,
             hooks,
@@ -96,7 +134,84 @@ impl EngineArgs {
                 Anomaly::Log => AnomalyAction::Log,
                 Anomaly::Abort => AnomalyAction::Abort,
             },
+            prefix_cache,
         })
+    }
+
+    /// The prefix-cache policy: `--prefix-cache`, else [`DEFAULT_PREFIX_CACHE`].
+    #[must_use]
+    pub fn prefix_cache(&self) -> PrefixCachePolicy {
+        self.prefix_cache.unwrap_or(DEFAULT_PREFIX_CACHE)
+    }
+}
+
+/// Whether the sanitizer's default rule for shares (`prefix_share=tenant`)
+/// would report the legal shares of `policy`: `salt` and `global` share
+/// across tenants; `tenant` is the rule itself and `off` shares nothing.
+fn shares_across_tenants(policy: PrefixCachePolicy) -> bool {
+    matches!(policy, PrefixCachePolicy::Salt | PrefixCachePolicy::Global)
+}
+
+/// The `prefix_share` that `KVSAN_OPTIONS` sets, if it sets one (the last
+/// item wins, as in [`Options::parse`]).
+fn prefix_share_in_options() -> Option<String> {
+    let text = std::env::var(kvsan_sanitizer::options::OPTIONS_ENV).ok()?;
+    text.split(':')
+        .filter_map(|item| item.split_once('='))
+        .filter(|(key, _)| key.trim() == "prefix_share")
+        .map(|(_, value)| value.trim().to_string())
+        .next_back()
+}
+
+/// The process's hook target ([`Hooks::from_environment_with`]): an
+/// in-process sanitizer checks shares against the engine's `policy` when
+/// the policy shares across tenants and `KVSAN_OPTIONS` sets no
+/// `prefix_share` (otherwise every legal cross-tenant share would be
+/// reported); a `prefix_share` the operator sets wins.
+///
+/// # Errors
+/// A bad `KVSAN_OPTIONS`, or a report log file that cannot be opened.
+fn hooks_for(policy: PrefixCachePolicy) -> anyhow::Result<Hooks> {
+    let defaults = if shares_across_tenants(policy) {
+        format!("prefix_share={}", policy.share_option())
+    } else {
+        String::new()
+    };
+    Hooks::from_environment_with(&defaults).context("the sanitizer cannot start")
+}
+
+/// What the operator is told at start about the prefix cache: `global`'s
+/// side channel, and which rule the sanitizer checks shares against when
+/// it is not the engine's own.
+fn say_prefix_cache(policy: PrefixCachePolicy, hooks: &Hooks) {
+    if policy == PrefixCachePolicy::Global {
+        let warning = "--prefix-cache global: every request may share another tenant's cached prompt pages, so prompts become observable across tenants through time to first token and usage.prompt_tokens_details.cached_tokens (the prompt-caching side channel); use tenant (the default) or salt to keep tenants apart";
+        eprintln!("kvsan: WARNING: {warning}");
+        tracing::warn!("{warning}");
+    }
+    let explicit = prefix_share_in_options();
+    let note = match (hooks.target(), explicit.as_deref()) {
+        (HookTarget::InProcess, Some(share)) if share != policy.share_option() => Some(format!(
+            "the in-process sanitizer checks shares against KVSAN_OPTIONS' prefix_share={share}, not --prefix-cache {policy}"
+        )),
+        (HookTarget::InProcess, None) if shares_across_tenants(policy) => Some(format!(
+            "the in-process sanitizer checks shares against --prefix-cache {policy} (prefix_share={policy}; KVSAN_OPTIONS sets none)"
+        )),
+        (HookTarget::CTable, share) if shares_across_tenants(policy) => Some(match share {
+            Some(s) if s == policy.share_option() => format!(
+                "the preloaded sanitizer checks shares against its KVSAN_OPTIONS' prefix_share={s}, as --prefix-cache {policy} shares"
+            ),
+            Some(s) => format!(
+                "the preloaded sanitizer checks shares against its KVSAN_OPTIONS' prefix_share={s}, not --prefix-cache {policy}: set prefix_share={policy} to match"
+            ),
+            None => format!(
+                "the preloaded sanitizer checks shares against its KVSAN_OPTIONS' prefix_share, not set (tenant): --prefix-cache {policy}'s cross-tenant shares will be reported; set prefix_share={policy} to match"
+            ),
+        }),
+        _ => None,
+    };
+    if let Some(note) = note {
+        eprintln!("kvsan: {note}");
     }
 }
 

@@ -50,7 +50,11 @@ mod scenario {
     /// violation and rejection limit. Never prompt text.
     fn outcome(r: &Result<Output, RequestError>) -> Value {
         match r {
-            Ok(out) => json!({ "outcome": "finished", "tokens": out.tokens }),
+            Ok(out) => json!({
+                "outcome": "finished",
+                "tokens": out.tokens,
+                "cached_tokens": out.cached_tokens,
+            }),
             Err(e) => json!({
                 "outcome": "error",
                 "error_kind": e.kind.name(),
@@ -63,13 +67,18 @@ mod scenario {
     }
 
     fn describe(r: &Result<Output, RequestError>) -> String {
+        let cached = |out: &Output| match out.cached_tokens {
+            0 => String::new(),
+            n => format!(" ({n} prompt tokens from the prefix cache)"),
+        };
         match r {
             Ok(out) if out.tokens.len() > 16 => format!(
-                "finished, {} tokens {:?} …",
+                "finished, {} tokens {:?} …{}",
                 out.tokens.len(),
-                &out.tokens[..16]
+                &out.tokens[..16],
+                cached(out)
             ),
-            Ok(out) => format!("finished, tokens {:?}", out.tokens),
+            Ok(out) => format!("finished, tokens {:?}{}", out.tokens, cached(out)),
             Err(e) => e.to_string(),
         }
     }

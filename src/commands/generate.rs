@@ -115,6 +115,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         sampling,
         stop_tokens: tokenizer.eos_id().into_iter().collect(),
+        cache_salt: Default::default(),
     });
     let mut stream = tokenizer.stream_decoder();
     let mut stdout = std::io::stdout().lock();

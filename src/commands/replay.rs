@@ -128,6 +128,7 @@ impl Scenario {
             max_tokens,
             sampling: SamplingParams::greedy(),
             stop_tokens: self.tokenizer.eos_id().into_iter().collect(),
+            cache_salt: Default::default(),
         };
         // Tenant A's prompt and answer fill at least the pages tenant B's
         // reservation will take back (the free list is a stack).

@@ -344,9 +344,15 @@ fn stop_on_signals(hooks: Hooks) -> anyhow::Result<()> {
 fn check_flags(args: &Args) -> anyhow::Result<()> {
     let role = args.role;
     let front_roles: &[Role] = &[Role::Unified, Role::Decode, Role::Disagg];
-    let flags: [(&str, bool, &[Role]); 12] = [
+    let flags: [(&str, bool, &[Role]); 13] = [
         ("--listen", args.listen.is_some(), front_roles),
         ("--api-keys", args.api_keys.is_some(), front_roles),
+        // The decode node receives every prompt's KV: the prefill node caches.
+        (
+            "--prefix-cache",
+            args.engine.prefix_cache.is_some(),
+            &[Role::Unified, Role::Prefill, Role::Disagg],
+        ),
         ("--peer-listen", args.peer_listen.is_some(), &[Role::Decode]),
         ("--peer", args.peer.is_some(), &[Role::Prefill]),
         (
@@ -472,6 +478,9 @@ fn run_front(
         "kvsan: serving role={} listen={client_addr}",
         args.role.name()
     );
+    if args.role != Role::Decode {
+        line.push_str(&format!(" prefix-cache={}", args.engine.prefix_cache()));
+    }
     if let Some(peer_listen) = &args.peer_listen {
         let peers = tcp::listen(peer_listen.as_str())?;
         line.push_str(&format!(" peer-listen={}", peers.local_addr()));
@@ -645,8 +654,9 @@ fn serve_decode_peer(
 ) -> anyhow::Result<()> {
     let peer = args.peer.as_deref().expect("checked by check_flags");
     eprintln!(
-        "kvsan: serving role=prefill peer={peer} transport={}",
-        transport.to_ascii_lowercase()
+        "kvsan: serving role=prefill peer={peer} transport={} prefix-cache={}",
+        transport.to_ascii_lowercase(),
+        args.engine.prefix_cache()
     );
     // Dropping the control would stop the node: keep it for the whole run.
     let (control, inbox) = PrefillControl::new();

@@ -16,6 +16,8 @@ pub const BOUND: Duration = Duration::from_secs(60);
 pub struct Client {
     http: reqwest::blocking::Client,
     base: String,
+    /// Sent as `Authorization: Bearer KEY` when set.
+    key: Option<String>,
 }
 
 /// A status and its JSON body.
@@ -71,14 +73,30 @@ impl Client {
         Client {
             http,
             base: format!("http://{addr}"),
+            key: None,
+        }
+    }
+
+    /// This client, sending `key` as `Authorization: Bearer KEY`.
+    pub fn with_key(mut self, key: &str) -> Client {
+        self.key = Some(key.to_string());
+        self
+    }
+
+    fn authorized(
+        &self,
+        request: reqwest::blocking::RequestBuilder,
+    ) -> reqwest::blocking::RequestBuilder {
+        match &self.key {
+            Some(key) => request.header("Authorization", format!("Bearer {key}")),
+            None => request,
         }
     }
 
     /// `GET path`.
     pub fn get(&self, path: &str) -> Answer {
         let response = self
-            .http
-            .get(format!("{}{path}", self.base))
+            .authorized(self.http.get(format!("{}{path}", self.base)))
             .send()
             .unwrap_or_else(|e| panic!("GET {path}: {e}"));
         answer(response)
@@ -90,8 +108,7 @@ impl Client {
     }
 
     fn send_post(&self, path: &str, body: &Value) -> reqwest::blocking::Response {
-        self.http
-            .post(format!("{}{path}", self.base))
+        self.authorized(self.http.post(format!("{}{path}", self.base)))
             .header("Content-Type", "application/json")
             .body(body.to_string())
             .send()

@@ -316,7 +316,7 @@ impl DecodeNode {
         }
         while let Some(front) = self.reserve.front() {
             let need = front.table.entries_for(front.prompt_len);
-            if need > self.core.pool.free_pages() {
+            if need > self.core.free_pages() {
                 break;
             }
             let mut seq = self.reserve.pop_front().expect("front exists");
@@ -358,6 +358,7 @@ impl DecodeNode {
                 sampling: *seq.sampler.params(),
                 dst_pool: self.core.pool_id,
                 dst_pages: seq.table.pages().to_vec(),
+                cache_salt: seq.cache_salt.clone(),
             };
             // The KV is on its way once the order is out.
             if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Transferring) {
@@ -383,7 +384,8 @@ impl DecodeNode {
             Inbound::Message(ToDecode::PrefillDone {
                 request,
                 first_token,
-            }) => self.commit(request, first_token),
+                cached_tokens,
+            }) => self.commit(request, first_token, cached_tokens as usize),
             Inbound::Message(ToDecode::PrefillFailed { request, error }) => {
                 self.unfenced.remove(&request);
                 self.left_for_cleanup.remove(&request);
@@ -682,7 +684,7 @@ impl DecodeNode {
     }
 
     /// Prefill finished: commit the received KV and start decoding.
-    fn commit(&mut self, request: RequestId, first_token: u32) {
+    fn commit(&mut self, request: RequestId, first_token: u32, cached_tokens: usize) {
         match self.core.lifecycle.state(request) {
             Some(State::Transferring) => {}
             Some(State::Draining) => return self.drained(request),
@@ -697,10 +699,11 @@ impl DecodeNode {
                 return;
             }
         }
-        let Some(seq) = self.awaiting_kv.remove(&request) else {
+        let Some(mut seq) = self.awaiting_kv.remove(&request) else {
             tracing::error!(node = %self.core.name, request = request.0, "prefill completion for a transferring request that holds no pages dropped");
             return;
         };
+        seq.cached_tokens = cached_tokens.min(seq.prompt_len);
         let verdict = self.commit_hook(&seq);
         if !verdict.is_continue() {
             let e = RequestError::aborted_by(verdict, &self.core.name);
@@ -912,6 +915,7 @@ mod tests {
             hooks: Hooks::none(),
             check: AttentionCheck::Unchecked,
             anomaly: crate::anomaly::AnomalyAction::Abort,
+            prefix_cache: crate::prefix_cache::PrefixCachePolicy::Off,
         };
         let core = Executor::new(
             model.clone(),
@@ -956,6 +960,7 @@ mod tests {
             max_tokens: 4,
             sampling: SamplingParams::greedy(),
             stop_tokens: Vec::new(),
+            cache_salt: Default::default(),
         };
         node.submit(
             crate::request::owner(RequestId(1), TenantId(1)),
@@ -1003,7 +1008,7 @@ mod tests {
 
     /// Commits request 1 and runs the node until it is idle; its events.
     fn finish(node: &mut DecodeNode, events: &Receiver<Event>) -> Vec<Event> {
-        node.commit(RequestId(1), 1);
+        node.commit(RequestId(1), 1, 0);
         for _ in 0..100 {
             if node.sched.is_idle() {
                 break;

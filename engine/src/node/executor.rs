@@ -16,6 +16,7 @@ use crate::model::{AttentionCheck, Logits, Model};
 use crate::node::batch::{BatchBuilder, PlannedRow};
 use crate::node::lifecycle::Lifecycle;
 use crate::node::sequence::Sequence;
+use crate::prefix_cache::{self, PrefixCache, PrefixCachePolicy};
 use crate::request::{ErrorKind, RequestError, Violated};
 
 /// Counters a node keeps for tests and the operator.
@@ -44,6 +45,12 @@ pub struct NodeStats {
     pub quarantined_pages: usize,
     /// Requests the anomaly monitor flagged since start, by kind.
     pub anomalies: AnomalyCounts,
+    /// Prompt tokens looked up in the prefix cache since start.
+    pub prefix_cache_queries: u64,
+    /// Prompt tokens found in the prefix cache since start.
+    pub prefix_cache_hits: u64,
+    /// Pages the prefix cache holds now.
+    pub cached_pages: usize,
 }
 
 /// How a node is set up: the engine configuration's part that every node
@@ -58,6 +65,8 @@ pub(crate) struct NodeSettings {
     pub check: AttentionCheck,
     /// What the anomaly monitor does with a flagged request.
     pub anomaly: crate::anomaly::AnomalyAction,
+    /// The node's prefix cache.
+    pub prefix_cache: PrefixCachePolicy,
 }
 
 /// A sequence's share of one step: `n` new tokens from `computed`.
@@ -99,6 +108,11 @@ pub(crate) struct Executor {
     pub stats: NodeStats,
     /// Checks each request at its first token.
     pub monitor: Monitor,
+    /// Full pages kept for later requests with the same prefix.
+    pub cache: PrefixCache,
+    /// Per page: how many hold it (its owner, the cache, each sharer); the
+    /// page goes back to the pool at 0.
+    holders: Vec<u32>,
     batch: BatchBuilder,
 }
 
@@ -197,6 +211,8 @@ impl Executor {
             name: name.to_string(),
             step: 0,
             monitor: Monitor::new(cfg.anomaly),
+            cache: PrefixCache::new(cfg.prefix_cache, page_slots),
+            holders: vec![0; n_pages],
             batch: BatchBuilder::new(width),
         })
     }
@@ -204,6 +220,12 @@ impl Executor {
     /// Tokens the pool can hold.
     pub fn capacity_tokens(&self) -> usize {
         self.pool.n_pages() * self.pool.page_slots()
+    }
+
+    /// Pages an allocation can take now: the free list, the quarantine and
+    /// the cached pages no request holds (evicted on demand).
+    pub fn free_pages(&self) -> usize {
+        self.pool.free_pages() + self.cache.evictable()
     }
 
     /// Grows `seq`'s block table to cover `tokens` positions. `Ok(false)` when
@@ -215,7 +237,7 @@ impl Executor {
     ) -> Result<bool, RequestError> {
         let need = seq.table.entries_for(tokens);
         while seq.table.len() < need {
-            let Some(page) = self.pool.alloc() else {
+            let Some(page) = self.alloc_page() else {
                 return Ok(false);
             };
             self.stats.pages_allocated += 1;
@@ -224,8 +246,175 @@ impl Executor {
             if !verdict.is_continue() {
                 return Err(RequestError::aborted_by(verdict, &self.name));
             }
+            if faults::active(Fault::CacheRegisterBeforeWrite) {
+                // Keyed by the tokens the page is to hold, before the step
+                // that writes them has run.
+                self.register_pages(seq, seq.tokens.len());
+            }
         }
         Ok(true)
+    }
+
+    /// A page off the free list, or from evicting the least recently used
+    /// cached page when the list is empty.
+    fn alloc_page(&mut self) -> Option<PageRef> {
+        loop {
+            if let Some(page) = self.pool.alloc() {
+                self.holders[page.page.0 as usize] = 1;
+                return Some(page);
+            }
+            self.evict_one()?;
+        }
+    }
+
+    /// Evicts one cached page; `None` when none can go.
+    fn evict_one(&mut self) -> Option<()> {
+        let (page, holder) = self.cache.evict()?;
+        self.stats.cached_pages = self.cache.len();
+        self.free_page(holder, page);
+        let idx = page.page.0 as usize;
+        if faults::active(Fault::CacheEvictReferenced)
+            && self.holders[idx] > 0
+            && self.pool.generations()[idx] == page.generation
+        {
+            // Back to the pool, whoever else holds it.
+            self.holders[idx] = 0;
+            if let Err(e) = self.pool.free(page) {
+                tracing::error!(node = %self.name, "{e}");
+            }
+        }
+        Some(())
+    }
+
+    /// Joins `seq` to this node's prefix cache: its keys, and its salt
+    /// declared to the hook target before it takes a page.
+    pub fn enter_cache(&mut self, seq: &mut Sequence) {
+        if !seq.cache_salt.is_empty() {
+            let verdict = self.hooks.declare_salt(seq.owner, seq.cache_salt.id());
+            if !verdict.is_continue() {
+                tracing::warn!(node = %self.name, request = seq.owner.request.0, "the hook target refused the cache salt declaration");
+            }
+        }
+        if self.cache.enabled() {
+            seq.cache_keys =
+                prefix_cache::extra_keys(self.cache.policy(), seq.owner.tenant, &seq.cache_salt);
+        }
+    }
+
+    /// Shares the cached pages `seq`'s tokens begin with, read-only, before
+    /// it computes anything: they become the first entries of its block
+    /// table and count as computed. Every share goes through the hook
+    /// target's `share` check first.
+    ///
+    /// # Errors
+    /// The hook target refused a share: the request is aborted (the pages
+    /// shared so far are in its table and go with its release).
+    pub fn share_prefix(&mut self, seq: &mut Sequence) -> Result<(), RequestError> {
+        if !self.cache.enabled() || !seq.table.is_empty() || seq.computed != 0 {
+            return Ok(());
+        }
+        let hits = self.cache.lookup(&seq.cache_keys, &seq.tokens);
+        self.stats.prefix_cache_queries = self.cache.queries;
+        self.stats.prefix_cache_hits = self.cache.hits;
+        seq.page_hashes.clear();
+        for hit in hits {
+            let verdict = self.hooks.share(self.pool_id, hit.page, seq.owner);
+            if !verdict.is_continue() {
+                return Err(RequestError::aborted_by(verdict, &self.name));
+            }
+            self.holders[hit.page.page.0 as usize] += 1;
+            self.cache.referenced(hit.page);
+            seq.table.push(hit.page);
+            if hit.tokens == self.pool.page_slots() {
+                seq.page_hashes.push(hit.hash);
+            }
+            let layers = self.model.config().n_layers;
+            seq.kv
+                .record(seq.computed, hit.tokens, 0..layers, seq.prompt_len, layers);
+            seq.computed += hit.tokens;
+        }
+        if seq.generated() == 0 {
+            seq.cached_tokens = seq.computed.min(seq.prompt_len);
+        }
+        Ok(())
+    }
+
+    /// Registers `seq`'s full pages up to position `upto` in the prefix
+    /// cache (those not registered yet), each after the one before it. A
+    /// page whose registration the hook target refuses, or whose content
+    /// another page already holds, ends the chain here.
+    fn register_pages(&mut self, seq: &mut Sequence, upto: usize) {
+        if !self.cache.enabled() {
+            return;
+        }
+        let ps = self.pool.page_slots();
+        let full = upto.min(seq.tokens.len()) / ps;
+        let salt_dropped;
+        let keys: &[u8] = if faults::active(Fault::CacheSaltDropped) && !seq.cache_salt.is_empty() {
+            salt_dropped = prefix_cache::extra_keys(
+                self.cache.policy(),
+                seq.owner.tenant,
+                &crate::request::CacheSalt::default(),
+            );
+            &salt_dropped
+        } else {
+            &seq.cache_keys
+        };
+        while seq.page_hashes.len() < full.min(seq.table.len()) {
+            let i = seq.page_hashes.len();
+            let tokens = &seq.tokens[i * ps..(i + 1) * ps];
+            let parent = i.checked_sub(1).map(|p| seq.table.pages()[p]);
+            if parent.is_some_and(|p| !self.cache.holds(p)) {
+                return;
+            }
+            let hash = prefix_cache::page_hash(seq.page_hashes.last().copied(), keys, tokens);
+            let page = seq.table.pages()[i];
+            if !self.cache.holds(page) {
+                if self.cache.contains_hash(hash) {
+                    return;
+                }
+                let holder = prefix_cache::holder(seq.owner.tenant);
+                if !self.hooks.share(self.pool_id, page, holder).is_continue() {
+                    return;
+                }
+                self.holders[page.page.0 as usize] += 1;
+                self.cache
+                    .insert(hash, page, parent, keys, tokens, seq.owner.tenant);
+                self.stats.cached_pages = self.cache.len();
+            }
+            seq.page_hashes.push(hash);
+        }
+        if faults::active(Fault::CachePartialPageShared) {
+            self.register_partial_page(seq, upto, keys.to_vec());
+        }
+    }
+
+    /// Fault `cache-partial-page-shared`: the partial page after the full
+    /// ones is registered under the tokens it holds so far.
+    fn register_partial_page(&mut self, seq: &Sequence, upto: usize, keys: Vec<u8>) {
+        let ps = self.pool.page_slots();
+        let i = seq.page_hashes.len();
+        let end = upto.min(seq.tokens.len());
+        if end <= i * ps || end >= (i + 1) * ps || i >= seq.table.len() {
+            return;
+        }
+        let page = seq.table.pages()[i];
+        let parent = i.checked_sub(1).map(|p| seq.table.pages()[p]);
+        if self.cache.holds(page) || parent.is_some_and(|p| !self.cache.holds(p)) {
+            return;
+        }
+        let tokens = &seq.tokens[i * ps..end];
+        let hash = prefix_cache::page_hash(seq.page_hashes.last().copied(), &keys, tokens);
+        if self.cache.contains_hash(hash) {
+            return;
+        }
+        let holder = prefix_cache::holder(seq.owner.tenant);
+        if self.hooks.share(self.pool_id, page, holder).is_continue() {
+            self.holders[page.page.0 as usize] += 1;
+            self.cache
+                .insert(hash, page, parent, &keys, tokens, seq.owner.tenant);
+            self.stats.cached_pages = self.cache.len();
+        }
     }
 
     /// The anomaly monitor's check of `seq` as its first token is about to
@@ -241,8 +430,13 @@ impl Executor {
         self.monitor.first_token(&self.name, seen)
     }
 
-    /// Returns every page of `seq` to the pool.
+    /// Lets go of every page of `seq` (each goes back to the pool when its
+    /// last holder lets go).
     pub fn release(&mut self, seq: &mut Sequence) {
+        if faults::active(Fault::CacheKeepsAborted) && seq.computed < seq.prompt_len {
+            // The unfinished prefill's pages, kept as if it had filled them.
+            self.register_pages(seq, seq.prompt_len);
+        }
         // Last page first: the free list is a stack, so the next request
         // gets these pages back in their original order.
         let pages: Vec<PageRef> = seq.table.take().into_iter().rev().collect();
@@ -256,13 +450,16 @@ impl Executor {
             self.free_page(seq.owner, page);
         }
         seq.computed = 0;
+        seq.page_hashes.clear();
         seq.kv.clear();
     }
 
-    /// Returns one page of `owner` to the pool, unless the free hook refuses
-    /// it: a double or foreign free is reported there and the page is not
-    /// `owner`'s to return (putting it on the free list again would hand it
-    /// to two requests). The request is ending either way.
+    /// `owner` (a request, or the cache) lets go of `page`, unless the free
+    /// hook refuses it: a double or foreign free is reported there and the
+    /// page is not `owner`'s to return (putting it on the free list again
+    /// would hand it to two requests). The page goes back to the pool when
+    /// no one holds it; a cached page only the cache still holds joins the
+    /// cache's LRU.
     fn free_page(&mut self, owner: Owner, page: PageRef) {
         if !self
             .hooks
@@ -270,6 +467,17 @@ impl Executor {
             .is_continue()
         {
             return;
+        }
+        let idx = page.page.0 as usize;
+        let current = self.pool.generations().get(idx) == Some(&page.generation);
+        if current && let Some(h) = self.holders.get_mut(idx) {
+            *h = h.saturating_sub(1);
+            if *h == 1 && self.cache.holds(page) {
+                self.cache.unreferenced(page);
+            }
+            if *h > 0 {
+                return;
+            }
         }
         match self.pool.free(page) {
             Ok(()) if self.hooks.poison() => self.pool.poison_page(page.page),
@@ -368,7 +576,7 @@ impl Executor {
     /// Samples the next token of every computed chunk that completed its
     /// context, kernel row by kernel row (the order the logits come in).
     fn sample(
-        &self,
+        &mut self,
         seqs: &mut [Sequence],
         plan: &[Planned],
         plan_rows: &[Option<usize>],
@@ -376,6 +584,7 @@ impl Executor {
         outcomes: &mut [Option<ChunkOutcome>],
     ) {
         let vocab = self.model.config().vocab_size;
+        let mut written = Vec::new();
         let batch = self.batch.last();
         let mut at = 0;
         for (row, plan_row) in plan_rows.iter().enumerate() {
@@ -397,6 +606,7 @@ impl Executor {
                 s.kv.record(s.computed, plan[i].n, 0..layers, s.prompt_len, layers);
             }
             s.computed += plan[i].n;
+            written.push(plan[i].seq);
             let token = match row_logits {
                 Some(l) if self.hooks.poison() && l.iter().any(|v| v.is_nan()) => {
                     outcomes[i] = Some(ChunkOutcome::Refused(RequestError::new(
@@ -409,6 +619,12 @@ impl Executor {
                 None => None,
             };
             outcomes[i] = Some(ChunkOutcome::Done(token));
+        }
+        // The pages this step filled are registered after it wrote them.
+        for seq in written {
+            let s = &mut seqs[seq];
+            let upto = s.computed;
+            self.register_pages(s, upto);
         }
     }
 }

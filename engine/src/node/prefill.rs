@@ -160,6 +160,7 @@ impl PrefillNode {
             max_tokens: 1,
             sampling: order.sampling,
             stop_tokens: Vec::new(),
+            cache_salt: order.cache_salt,
         };
         let limits = [PoolLimit {
             node: "prefill",
@@ -180,8 +181,9 @@ impl PrefillNode {
         }
         let seq = verdict.and_then(|()| new_sequence(owner, request, ps, None));
         let error = match seq {
-            Ok(seq) => match self.core.lifecycle.queue(owner) {
+            Ok(mut seq) => match self.core.lifecycle.queue(owner) {
                 Ok(()) => {
+                    self.core.enter_cache(&mut seq);
                     self.dests.insert(
                         owner.request,
                         Destination {
@@ -306,10 +308,12 @@ impl PrefillNode {
         // The pages go back as soon as the KV is out, before decode hears
         // the prefill is done.
         let request = seq.owner.request;
+        let cached_tokens = u32::try_from(seq.cached_tokens).unwrap_or(u32::MAX);
         self.end(seq, State::Finished);
         let _ = link.send(ToDecode::PrefillDone {
             request,
             first_token,
+            cached_tokens,
         });
     }
 

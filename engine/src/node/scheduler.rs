@@ -29,6 +29,10 @@ pub struct SchedulerConfig {
     pub step_tokens: usize,
     /// Sequences running at once at most.
     pub max_running: usize,
+    /// Most prompt tokens one sequence computes in a step, so that several
+    /// prefills go on side by side (vLLM's `long_prefill_token_threshold`);
+    /// `None`: as many as the step's budget leaves.
+    pub chunk_tokens: Option<usize>,
 }
 
 impl Default for SchedulerConfig {
@@ -36,6 +40,7 @@ impl Default for SchedulerConfig {
         SchedulerConfig {
             step_tokens: 512,
             max_running: 64,
+            chunk_tokens: None,
         }
     }
 }
@@ -60,6 +65,7 @@ impl Scheduler {
             config: SchedulerConfig {
                 step_tokens: config.step_tokens.max(1),
                 max_running: config.max_running.max(1),
+                chunk_tokens: config.chunk_tokens.map(|n| n.max(1)),
             },
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -168,7 +174,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let n = s.pending().min(budget).min(room_for(core, s));
+            let n = self.chunk(s.pending().min(budget).min(room_for(core, s)));
             if n == 0 {
                 i += 1;
                 continue;
@@ -213,8 +219,19 @@ impl Scheduler {
                 continue;
             }
             seq.admitted_at = self.next_admission();
-            let need = seq.computed + n;
-            match core.ensure_pages(&mut seq, need) {
+            // The cached prefix is shared before anything is computed.
+            if let Err(e) = core.share_prefix(&mut seq) {
+                failed.push((seq, e));
+                continue;
+            }
+            let n = self.chunk(seq.pending().min(budget).min(room_for(core, &seq)));
+            let fits = if n == 0 {
+                Ok(false)
+            } else {
+                let need = seq.computed + n;
+                core.ensure_pages(&mut seq, need)
+            };
+            match fits {
                 Ok(true) => {
                     planned.push((seq.owner.request, n));
                     budget -= n;
@@ -234,10 +251,19 @@ impl Scheduler {
         }
     }
 
-    /// Pages of the pool held neither on the free list nor by the batch.
+    /// `n` tokens of one sequence, within the per-sequence chunk limit.
+    fn chunk(&self, n: usize) -> usize {
+        self.config.chunk_tokens.map_or(n, |cap| n.min(cap))
+    }
+
+    /// Pages of the pool held neither on the free list, nor in the prefix
+    /// cache's LRU, nor by the batch (a page shared by several sequences
+    /// counts for each: the figure errs low).
     fn pages_held_elsewhere(&self, core: &Executor) -> usize {
         let in_batch: usize = self.running.iter().map(|s| s.table.len()).sum();
-        core.pool.n_pages() - core.pool.free_pages() - in_batch
+        core.pool
+            .n_pages()
+            .saturating_sub(core.free_pages() + in_batch)
     }
 
     /// The admission order number for a sequence joining the running batch.
@@ -283,7 +309,7 @@ impl Scheduler {
 /// Tokens `s` could still place: the free slots of its last page plus the free pages.
 fn room_for(core: &Executor, s: &Sequence) -> usize {
     let slack = s.table.capacity() - s.computed.min(s.table.capacity());
-    slack + core.pool.free_pages() * core.pool.page_slots()
+    slack + core.free_pages() * core.pool.page_slots()
 }
 
 fn capacity_error(seq: &Sequence, core: &Executor) -> RequestError {

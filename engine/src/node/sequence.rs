@@ -7,7 +7,7 @@ use crossbeam_channel::Sender;
 use kvsan_sanitizer::{BlockTable, Owner};
 
 use crate::anomaly::KvCoverage;
-use crate::request::{Event, FinishReason, RequestError};
+use crate::request::{CacheSalt, Event, FinishReason, RequestError};
 use crate::sampler::Sampler;
 
 /// One request on one node.
@@ -41,6 +41,14 @@ pub(crate) struct Sequence {
     /// The prompt KV this node computed or received for it (the anomaly
     /// monitor's count, kept apart from `computed`).
     pub kv: KvCoverage,
+    /// Its prefix-cache salt.
+    pub cache_salt: CacheSalt,
+    /// Its prefix-cache keys on this node (the policy's domain).
+    pub cache_keys: Vec<u8>,
+    /// Chain hashes of its full pages, from page 0, as far as hashed.
+    pub page_hashes: Vec<u64>,
+    /// Prompt tokens whose KV came from the prefix cache at admission.
+    pub cached_tokens: usize,
 }
 
 impl Sequence {
@@ -77,6 +85,7 @@ impl Sequence {
             reason,
             prompt_tokens: self.prompt_len,
             generated: self.generated(),
+            cached_tokens: self.cached_tokens,
         });
     }
 

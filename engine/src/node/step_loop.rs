@@ -37,14 +37,21 @@ pub(crate) fn new_sequence(
         placeholder: false,
         arrived: std::time::Instant::now(),
         kv: crate::anomaly::KvCoverage::default(),
+        cache_salt: request.cache_salt,
+        cache_keys: Vec::new(),
+        page_hashes: Vec::new(),
+        cached_tokens: 0,
     })
 }
 
 /// Enters `seq` in the node's lifecycle as queued and gives it back; when
 /// the lifecycle refuses, its client gets the error instead.
-pub(crate) fn queue(core: &mut Executor, seq: Sequence) -> Option<Sequence> {
+pub(crate) fn queue(core: &mut Executor, mut seq: Sequence) -> Option<Sequence> {
     match core.lifecycle.queue(seq.owner) {
-        Ok(()) => Some(seq),
+        Ok(()) => {
+            core.enter_cache(&mut seq);
+            Some(seq)
+        }
         // Queued, and aborted by the hook target at once.
         Err(Refused::Violation(e)) => {
             fail(core, seq, e);
@@ -174,6 +181,9 @@ pub(crate) fn stats(core: &Executor, sched: &Scheduler) -> crate::node::NodeStat
     s.illegal_transitions = core.lifecycle.illegal_transitions();
     s.quarantined_pages = core.pool.quarantined_pages();
     s.anomalies = core.monitor.counts();
+    s.prefix_cache_queries = core.cache.queries;
+    s.prefix_cache_hits = core.cache.hits;
+    s.cached_pages = core.cache.len();
     s
 }
 

@@ -40,6 +40,8 @@ pub struct PrefillOrder {
     pub dst_pool: PoolId,
     /// The pages decode reserved, from token 0 (cover the whole prompt).
     pub dst_pages: Vec<PageRef>,
+    /// The request's prefix-cache salt (the prefill node's cache keys it).
+    pub cache_salt: crate::request::CacheSalt,
 }
 
 /// Decode → prefill.
@@ -117,6 +119,8 @@ pub enum ToDecode {
         request: RequestId,
         /// The token prefill sampled after the prompt.
         first_token: u32,
+        /// Prompt tokens whose KV prefill found in its prefix cache.
+        cached_tokens: u32,
     },
     /// Prefill refused or failed the request.
     PrefillFailed {

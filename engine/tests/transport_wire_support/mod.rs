@@ -1,7 +1,7 @@
 //! Messages and strategies shared by the transport tests.
 #![allow(dead_code)]
 
-use kvsan_engine::request::{ErrorKind, Rejection, RequestError};
+use kvsan_engine::request::{CacheSalt, ErrorKind, Rejection, RequestError};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::transport::{
     KvPayload, KvTransfer, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum, kv_payload_len,
@@ -64,6 +64,10 @@ pub fn prefill_order(request: u64, prompt_len: usize) -> ToPrefill {
         dst_pages: (0..prompt_len.div_ceil(16) as u32)
             .map(|p| PageRef::new(p, 9))
             .collect(),
+        cache_salt: CacheSalt {
+            server: Some("key-salt".into()),
+            client: None,
+        },
     })
 }
 
@@ -71,6 +75,7 @@ pub fn done(request: u64) -> ToDecode {
     ToDecode::PrefillDone {
         request: RequestId(request),
         first_token: 1234,
+        cached_tokens: 96,
     }
 }
 
@@ -153,17 +158,22 @@ pub fn to_prefill() -> impl Strategy<Value = ToPrefill> {
             prop::collection::vec(any::<u32>(), 0..300),
             sampling(),
             any::<u32>(),
-            page_refs()
+            page_refs(),
+            prop::option::of("\\PC{0,24}"),
+            prop::option::of("\\PC{0,24}"),
         )
-            .prop_map(|(r, t, prompt, sampling, pool, dst_pages)| {
-                ToPrefill::Prefill(PrefillOrder {
-                    owner: Owner::new(r, t),
-                    prompt,
-                    sampling,
-                    dst_pool: PoolId(pool),
-                    dst_pages,
-                })
-            }),
+            .prop_map(
+                |(r, t, prompt, sampling, pool, dst_pages, server, client)| {
+                    ToPrefill::Prefill(PrefillOrder {
+                        owner: Owner::new(r, t),
+                        prompt,
+                        sampling,
+                        dst_pool: PoolId(pool),
+                        dst_pages,
+                        cache_salt: CacheSalt { server, client },
+                    })
+                }
+            ),
         any::<u64>().prop_map(|r| ToPrefill::Cancel {
             request: RequestId(r)
         }),
@@ -271,9 +281,10 @@ pub fn to_decode() -> impl Strategy<Value = ToDecode> {
             })
         }),
         kv_transfer().prop_map(ToDecode::Kv),
-        (any::<u64>(), any::<u32>()).prop_map(|(r, t)| ToDecode::PrefillDone {
+        (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(|(r, t, c)| ToDecode::PrefillDone {
             request: RequestId(r),
             first_token: t,
+            cached_tokens: c,
         }),
         (any::<u64>(), request_error()).prop_map(|(r, error)| ToDecode::PrefillFailed {
             request: RequestId(r),

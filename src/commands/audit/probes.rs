@@ -501,9 +501,11 @@ pub async fn prefix_timing(
     Ok(())
 }
 
-/// Warms a prefix with `warm_key`, then times `samples` requests of
-/// `probe_key` that share it against as many with fresh prefixes,
-/// interleaved.
+/// Times `samples` requests of `probe_key` on a prefix warmed just before
+/// by `warm_key` against as many on fresh prefixes, interleaved. Each
+/// sample has a prefix of its own: a prefix `probe_key` had sent before
+/// would be found in a cache it may legally share with itself, and would
+/// show a hit across keys that is not one.
 async fn timing_arm(
     client: &Client,
     warm_key: Option<&str>,
@@ -513,14 +515,14 @@ async fn timing_arm(
     samples: usize,
 ) -> Result<Timing, BudgetSpent> {
     let before = client.sent();
-    let prefix = texts.words(words);
-    ok_or_budget(
-        client
-            .complete(warm_key, &format!("{prefix} warm"), 1)
-            .await,
-    )?;
     let (mut hit, mut miss) = (Vec::new(), Vec::new());
     for i in 0..samples {
+        let prefix = texts.words(words);
+        ok_or_budget(
+            client
+                .complete(warm_key, &format!("{prefix} warm"), 1)
+                .await,
+        )?;
         let suffix = format!(" question {i}");
         if let Some(t) = ok_or_budget(
             client

@@ -408,6 +408,7 @@ fn engine_floor(args: &Args, deployment: Deployment) -> anyhow::Result<EngineFlo
         max_tokens: args.max_tokens,
         sampling: SamplingParams::greedy(),
         stop_tokens: Vec::new(),
+        cache_salt: Default::default(),
     };
     let measure = |engine: &Engine, prefill_steps: &dyn Fn() -> u64| {
         let time = || one_in_process(engine, request.clone());

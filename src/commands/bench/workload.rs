@@ -188,6 +188,7 @@ fn requests(args: &Args, ids: std::ops::Range<u32>) -> Vec<Request> {
                 max_tokens: rng.between(args.new_min, args.new_max),
                 sampling: SamplingParams::greedy(),
                 stop_tokens: Vec::new(),
+                cache_salt: Default::default(),
             }
         })
         .collect()

@@ -6,7 +6,7 @@ use super::{
     FrameHeader, TYPE_CANCEL, TYPE_HELLO, TYPE_KV, TYPE_PREFILL, TYPE_PREFILL_DONE,
     TYPE_PREFILL_FAILED, WireLimits, WireMessage,
 };
-use crate::request::{ErrorKind, Rejection, RequestError};
+use crate::request::{CacheSalt, ErrorKind, Rejection, RequestError};
 use crate::sampler::SamplingParams;
 use crate::transport::{KvPayload, KvTransfer, NodeInfo, PrefillOrder, ToDecode, ToPrefill};
 use kvsan_sanitizer::{Manifest, PoolId, RequestId};
@@ -49,6 +49,12 @@ impl WireMessage for ToPrefill {
                 p.u32(o.dst_pool.0);
                 p.pages(&o.dst_pages);
                 p.tokens(&o.prompt);
+                for part in [&o.cache_salt.server, &o.cache_salt.client] {
+                    p.u8(u8::from(part.is_some()));
+                    if let Some(s) = part {
+                        p.str(s);
+                    }
+                }
             }
             ToPrefill::Cancel { request } => p.u64(request.0),
         }
@@ -74,12 +80,24 @@ impl WireMessage for ToPrefill {
                 let dst_pool = PoolId(t.u32("dst_pool")?);
                 let dst_pages = t.pages("dst_pages")?;
                 let prompt = t.tokens("prompt")?;
+                let mut salt = |field| -> Result<Option<String>, WireError> {
+                    Ok(if t.flag(field)? {
+                        Some(t.str(field)?)
+                    } else {
+                        None
+                    })
+                };
+                let cache_salt = CacheSalt {
+                    server: salt("cache_salt.server")?,
+                    client: salt("cache_salt.client")?,
+                };
                 ToPrefill::Prefill(PrefillOrder {
                     owner,
                     prompt,
                     sampling,
                     dst_pool,
                     dst_pages,
+                    cache_salt,
                 })
             }
             _ => ToPrefill::Cancel {
@@ -182,9 +200,11 @@ impl WireMessage for ToDecode {
             ToDecode::PrefillDone {
                 request,
                 first_token,
+                cached_tokens,
             } => {
                 p.u64(request.0);
                 p.u32(*first_token);
+                p.u32(*cached_tokens);
             }
             ToDecode::PrefillFailed { request, error } => {
                 p.u64(request.0);
@@ -300,6 +320,7 @@ impl WireMessage for ToDecode {
                 ToDecode::PrefillDone {
                     request: RequestId(t.u64("request")?),
                     first_token: t.u32("first_token")?,
+                    cached_tokens: t.u32("cached_tokens")?,
                 }
             }
             _ => {

@@ -53,7 +53,7 @@
 //!                                                  checksum u64; payload kind u8 (0 Bytes, 1 Landed);
 //!                                                  Bytes: the KV bytes are the bulk section, exactly
 //!                                                  kv_payload_len(manifest, kv_dim) long
-//!    18  prefill → decode   ToDecode::PrefillDone  request u64, first_token u32
+//!    18  prefill → decode   ToDecode::PrefillDone  request u64, first_token u32, cached_tokens u32
 //!    19  prefill → decode   ToDecode::PrefillFailed request u64, kind str (the stable name:
 //!                                                  `rejected`, `transport`, …), message str,
 //!                                                  rejection Option<(reason str, prompt_tokens u64,
@@ -83,9 +83,9 @@ pub use frame::{
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"KVSN";
 /// The protocol version this build writes.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// The protocol versions this build reads.
-pub const SUPPORTED_VERSIONS: &[u16] = &[1];
+pub const SUPPORTED_VERSIONS: &[u16] = &[2];
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 32;
 /// Default largest payload a reader accepts: 64 MiB.

@@ -1,6 +1,7 @@
 //! A request's engine events as the client sees them: token ids become
 //! text (with the model's tokenizer), stop strings end the text, and the
-//! tokens are counted for `usage`.
+//! tokens are counted for `usage` — with the prompt tokens the prefix cache
+//! served, which the engine says when it finishes the request.
 
 use std::sync::Arc;
 
@@ -29,6 +30,9 @@ pub struct Answer {
     stop: StopStrings,
     prompt_tokens: usize,
     generated: usize,
+    /// Prompt tokens whose KV came from the prefix cache, once the engine
+    /// has finished the request (a stop string ends it here first: unknown).
+    cached_tokens: Option<usize>,
 }
 
 impl Answer {
@@ -43,6 +47,7 @@ impl Answer {
             stop,
             prompt_tokens,
             generated: 0,
+            cached_tokens: None,
         }
     }
 
@@ -51,6 +56,7 @@ impl Answer {
         Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.generated,
+            cached_tokens: self.cached_tokens,
         }
     }
 
@@ -77,7 +83,12 @@ impl Answer {
                     Step::More(delta)
                 }
             }
-            Event::Finished { reason, .. } => {
+            Event::Finished {
+                reason,
+                cached_tokens,
+                ..
+            } => {
+                self.cached_tokens = Some(cached_tokens);
                 // Bytes of an incomplete UTF-8 sequence still held back.
                 let tail = self
                     .text
@@ -112,9 +123,17 @@ mod tests {
             reason: FinishReason::Length,
             prompt_tokens: 3,
             generated: 1,
+            cached_tokens: 2,
         });
         assert!(matches!(end, Step::End(ref d, FinishReason::Length) if d.is_empty()));
         let usage = answer.usage();
-        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (3, 1));
+        assert_eq!(
+            (
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.cached_tokens
+            ),
+            (3, 1, Some(2))
+        );
     }
 }

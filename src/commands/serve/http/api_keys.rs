@@ -5,34 +5,59 @@
 //! ```text
 //!  # comment                 blank lines and `#` comments are ignored
 //!  KEY TENANT [SALT]         TENANT: a number (0 ..= 4294967295);
-//!  sk-alpha 1                SALT: the tenant's server-side prefix-cache
-//!  sk-beta  2 s3cr3t         salt (kept for the prefix cache)
+//!  sk-alpha 1                SALT: the key's server-side prefix-cache salt:
+//!  sk-beta  2 s3cr3t         its requests share cached pages only with
+//!                            requests of the same salt
 //! ```
 //!
 //! A malformed line, or a key given twice, refuses to start, naming the line.
+//! Neither a key nor a salt is ever logged or echoed (`Debug` leaves them out).
 
 use std::collections::HashMap;
+use std::fmt;
 use std::path::Path;
 
 use anyhow::{Context, bail};
 use kvsan_sanitizer::TenantId;
 
+use super::completions::MAX_CACHE_SALT_BYTES;
+
 /// The tenant a key maps to.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Tenant {
     /// Who pays.
     pub id: TenantId,
-    /// The server-side prefix-cache salt of the third column.
+    /// The server-side prefix-cache salt of the third column (the
+    /// request's `CacheSalt::server`).
     pub salt: Option<String>,
 }
 
+impl fmt::Debug for Tenant {
+    /// The tenant, and whether it has a salt — never the salt.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tenant")
+            .field("id", &self.id)
+            .field("salted", &self.salt.is_some())
+            .finish()
+    }
+}
+
 /// Who a request is from.
-#[derive(Debug)]
 pub enum Tenants {
     /// No `--api-keys`: every client is this one tenant, no key asked.
     Single(Tenant),
     /// Keys to tenants; a request without a known key is refused.
     Keys(HashMap<String, Tenant>),
+}
+
+impl fmt::Debug for Tenants {
+    /// How many keys — never a key.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Tenants::Single(t) => f.debug_tuple("Single").field(t).finish(),
+            Tenants::Keys(keys) => write!(f, "Keys({} keys)", keys.len()),
+        }
+    }
 }
 
 impl Tenants {
@@ -75,6 +100,14 @@ impl Tenants {
                     u32::MAX
                 )
             })?;
+            if let Some(salt) = rest.first()
+                && salt.len() > MAX_CACHE_SALT_BYTES
+            {
+                bail!(
+                    "line {n}: the salt has {} bytes: at most {MAX_CACHE_SALT_BYTES} are allowed",
+                    salt.len()
+                );
+            }
             let entry = Tenant {
                 id: TenantId(id),
                 salt: rest.first().map(|s| (*s).to_string()),
@@ -166,6 +199,19 @@ mod tests {
             let e = Tenants::parse(text).unwrap_err().to_string();
             assert!(e.contains(expect), "{text:?}: {e}");
         }
+        let long = format!("sk-a 1 {}\n", "s".repeat(MAX_CACHE_SALT_BYTES + 1));
+        let e = Tenants::parse(&long).unwrap_err().to_string();
+        assert!(e.contains("line 1") && !e.contains("sss"), "{e}");
+    }
+
+    #[test]
+    fn debug_shows_neither_keys_nor_salts() {
+        let tenants = Tenants::parse("sk-secret 1 salt-secret\n").unwrap();
+        let shown = format!(
+            "{tenants:?} {:?}",
+            tenants.authorize(Some(b"Bearer sk-secret"))
+        );
+        assert!(!shown.contains("secret"), "{shown}");
     }
 
     #[test]

@@ -16,11 +16,11 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use kvsan_engine::EngineError;
-use kvsan_engine::request::{Event, Request};
+use kvsan_engine::request::{CacheSalt, Event, Request};
 use kvsan_engine::sampler::SamplingParams;
-use kvsan_sanitizer::TenantId;
 
 use super::answer::{Answer, Step};
+use super::api_keys::Tenant;
 use super::bridge::Generation;
 use super::error::ApiError;
 use super::openai::{self, Delta, Endpoint, GenerateBody, Reply, Stop};
@@ -31,8 +31,9 @@ use super::{Front, json_body, prompt, read_body, sse};
 /// and vLLM's default for this endpoint).
 const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
 
-/// Longest `cache_salt` accepted, in bytes.
-const MAX_CACHE_SALT_BYTES: usize = 1024;
+/// Longest cache salt accepted (`cache_salt`, a keys file's third
+/// column), in bytes.
+pub(super) const MAX_CACHE_SALT_BYTES: usize = 1024;
 
 /// `POST /v1/completions`.
 pub async fn completions(
@@ -58,7 +59,7 @@ async fn generate(
     body: Body,
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
-    let tenant = front.authorize(headers)?.id;
+    let tenant = front.authorize(headers)?.clone();
     let body: GenerateBody = openai::parse(&read_body(body).await?)?;
     let job = Job::from_body(front, body, endpoint)?;
     let permit = front.admit()?;
@@ -66,7 +67,7 @@ async fn generate(
     let (stream, include_usage, stops) = (job.stream, job.include_usage, job.stop.clone());
     let mut generation = Generation::start(
         &front.engine,
-        job.request(front, tenant),
+        job.request(front, &tenant),
         permit,
         &front.metrics,
     );
@@ -135,6 +136,8 @@ struct Job {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// The client's `cache_salt`.
+    cache_salt: Option<String>,
 }
 
 impl Job {
@@ -209,12 +212,15 @@ impl Job {
             stop,
             stream,
             include_usage,
+            cache_salt: body.cache_salt,
         })
     }
 
-    fn request(self, front: &Front, tenant: TenantId) -> Request {
+    /// The engine request of `tenant`'s key: its salt is the server's part
+    /// of the cache salt, the body's `cache_salt` the client's.
+    fn request(self, front: &Front, tenant: &Tenant) -> Request {
         Request {
-            tenant,
+            tenant: tenant.id,
             prompt: self.prompt,
             max_tokens: self.max_tokens,
             sampling: self.sampling,
@@ -223,6 +229,10 @@ impl Job {
                 .as_ref()
                 .map(|t| t.stop_tokens().to_vec())
                 .unwrap_or_default(),
+            cache_salt: CacheSalt {
+                server: tenant.salt.clone(),
+                client: self.cache_salt,
+            },
         }
     }
 }
@@ -235,7 +245,8 @@ fn not_here(field: &str, endpoint: &str) -> ApiError {
     )
 }
 
-/// `cache_salt`: accepted and checked now; the prefix cache will use it.
+/// `cache_salt`: a non-empty string (vLLM refuses an empty one too) of at
+/// most [`MAX_CACHE_SALT_BYTES`]. Never echoed.
 fn check_cache_salt(salt: &str) -> Result<(), ApiError> {
     if salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES {
         return Err(ApiError::invalid_field(

@@ -12,6 +12,8 @@
 //!  vllm:request_success_total{finished_reason}   kvsan:anomalies_total{kind}
 //!  kvsan:rejections_total{limit,node}            kvsan:violations_total{kind}, kvsan:checks_total
 //!                                                kvsan:sanitizer_attached{target}
+//!                                                vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total
+//!                                                kvsan:cached_pages{node}
 //! ```
 //!
 //! Every series carries `model_name`, as vLLM's do. The request metrics are
@@ -22,6 +24,11 @@
 //! apart, by the limit they broke). The sanitizer's counters come from the
 //! hook target — the in-process sanitizer, or a preloaded shim that
 //! exports its counters — and are absent without one.
+//!
+//! The prefix cache lives on the nodes that compute prompts (unified,
+//! prefill): its counters are theirs, in tokens as vLLM's are. A decode
+//! process whose prefill node runs in another process has none to show,
+//! and leaves them out rather than show a cache that is not its own.
 
 use std::fmt;
 use std::sync::Arc;
@@ -368,6 +375,48 @@ impl Collector for Live {
             "Forward steps run.",
             &per_node_total(|s| s.steps),
         )?;
+        // The nodes that hold a prefix cache: the unified one, or the prefill one.
+        let caching: Vec<&(&str, &NodeStats)> =
+            nodes.iter().filter(|(n, _)| *n != "decode").collect();
+        if !caching.is_empty() {
+            one(
+                e,
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                &ConstCounter::new(
+                    caching
+                        .iter()
+                        .map(|(_, s)| s.prefix_cache_queries)
+                        .sum::<u64>(),
+                ),
+            )?;
+            one(
+                e,
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                &ConstCounter::new(
+                    caching
+                        .iter()
+                        .map(|(_, s)| s.prefix_cache_hits)
+                        .sum::<u64>(),
+                ),
+            )?;
+            let cached: Vec<(Labels, ConstGauge)> = caching
+                .iter()
+                .map(|(n, s)| {
+                    (
+                        vec![("node", (*n).to_string())],
+                        ConstGauge::new(s.cached_pages as i64),
+                    )
+                })
+                .collect();
+            family(
+                e,
+                "kvsan:cached_pages",
+                "KV pages the prefix cache holds now.",
+                &cached,
+            )?;
+        }
         let anomalies: Vec<(Labels, ConstCounter)> = AnomalyKind::ALL
             .iter()
             .map(|&k| {

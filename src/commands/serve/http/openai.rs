@@ -16,7 +16,17 @@
 //!  stop             "text" | ["text", …] (at most 4, needs a tokenizer)
 //!  n                1 only
 //!  stream           SSE; stream_options {"include_usage": bool} only with it
-//!  cache_salt       a non-empty string (the prefix cache will use it)
+//!  cache_salt       a non-empty string of at most 1024 bytes: the request shares
+//!                   cached prompt pages only with requests of the same salt
+//! ```
+//!
+//! `usage` (the whole answer; the stream's usage chunk when asked):
+//!
+//! ```text
+//!  {"prompt_tokens", "completion_tokens", "total_tokens",
+//!   "prompt_tokens_details": {"cached_tokens"}}    prompt tokens the prefix cache served;
+//!                                                   left out when a stop string ended the
+//!                                                   answer before the engine said
 //! ```
 
 use kvsan_engine::request::FinishReason;
@@ -153,15 +163,22 @@ fn field_error(e: &serde_path_to_error::Error<serde_json::Error>) -> ApiError {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens the prefix cache served; `None` when the engine has
+    /// not said (the front end ended the request at a stop string).
+    pub cached_tokens: Option<usize>,
 }
 
 impl Usage {
     fn json(self) -> Value {
-        json!({
+        let mut v = json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-        })
+        });
+        if let Some(cached) = self.cached_tokens {
+            v["prompt_tokens_details"] = json!({ "cached_tokens": cached });
+        }
+        v
     }
 }
 

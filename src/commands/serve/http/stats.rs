@@ -6,6 +6,7 @@
 //! ```text
 //!  {"front":   {"total_pages", "free_pages", "pages_allocated", "transfers",
 //!               "running", "waiting", "preemptions", "steps", "quarantined_pages",
+//!               "prefix_cache_queries", "prefix_cache_hits", "cached_pages",
 //!               "anomalies": {"short-kv": n, "fast-first-token": n}},
 //!   "prefill": {… the same …} | null}     null: no prefill node in this process
 //! ```
@@ -43,6 +44,9 @@ fn node(s: &NodeStats) -> Value {
         "preemptions": s.preemptions,
         "steps": s.steps,
         "quarantined_pages": s.quarantined_pages,
+        "prefix_cache_queries": s.prefix_cache_queries,
+        "prefix_cache_hits": s.prefix_cache_hits,
+        "cached_pages": s.cached_pages,
         "anomalies": AnomalyKind::ALL
             .iter()
             .map(|&k| (k.name().to_string(), json!(s.anomalies.of(k))))
