@@ -107,9 +107,10 @@ const TENANT_TAG: u8 = 0x54;
 pub fn extra_keys(policy: PrefixCachePolicy, tenant: TenantId, salt: &CacheSalt) -> Vec<u8> {
     let mut keys = Vec::new();
     if policy == PrefixCachePolicy::Tenant {
+        let id = tenant.0.to_le_bytes();
         keys.push(TENANT_TAG);
-        keys.extend_from_slice(&8u32.to_le_bytes());
-        keys.extend_from_slice(&tenant.0.to_le_bytes());
+        keys.extend_from_slice(&(id.len() as u32).to_le_bytes());
+        keys.extend_from_slice(&id);
     }
     if faults::active(Fault::CacheKeyCollision) {
         for part in [&salt.server, &salt.client].into_iter().flatten() {
