@@ -42,6 +42,7 @@ fn audit(args: &commands::audit::Args) -> ExitCode {
     match commands::audit::run(args) {
         Ok(commands::audit::Outcome::Clean) => ExitCode::SUCCESS,
         Ok(commands::audit::Outcome::Findings) => ExitCode::from(1),
+        Ok(commands::audit::Outcome::Incomplete) => ExitCode::from(2),
         Err(err) => {
             output::print_error(&err, args.json);
             ExitCode::from(2)

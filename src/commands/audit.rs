@@ -5,8 +5,13 @@
 //!  discover   GET /v1/models: the model, its context (max_model_len)
 //!  1 determinism      identical greedy requests, sequential and concurrent
 //!  2 noninterference  victim prompts with made-up canaries (short, long,
-//!                     near the limit), then a probe from the other key,
-//!                     twice with only the canary changed; concurrent too
+//!                     near the limit), then probes from the other key
+//!                     (short, long, a long answer, oversize), three times
+//!                     with only the canary changed; then a loaded
+//!                     server's patterns: victims and probes in flight
+//!                     together, a request retried after its client
+//!                     abandoned it, one prompt sent twice at once, a
+//!                     request extending a probe's prompt mid-answer
 //!  3 limits           prompts under, at, just over and far over the
 //!                     context; max_tokens pushing past it
 //!  4 prefix timing    a repeated prefix's time to first token against
@@ -27,7 +32,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use self::client::{BudgetSpent, Client};
+use self::client::{Client, Stop};
 use self::probes::{Found, Keys, Texts};
 use self::report::Report;
 
@@ -57,7 +62,7 @@ pub struct Args {
     #[arg(long, value_name = "TOKENS")]
     pub pool_limit: Option<usize>,
     /// Requests the audit may send at most.
-    #[arg(long, value_name = "REQUESTS", default_value_t = 200)]
+    #[arg(long, value_name = "REQUESTS", default_value_t = 300)]
     pub budget: usize,
     /// Identical requests sent at once in the determinism phase.
     #[arg(long, default_value_t = 3)]
@@ -77,6 +82,30 @@ pub struct Args {
     /// Seed of the made-up text and canaries (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// The phases to run after the determinism phase, which always runs
+    /// first (every comparison allows for what it measures).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values_t = Phase::ALL
+    )]
+    pub phases: Vec<Phase>,
+}
+
+/// A phase of the audit after the determinism phase.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Victims with canaries, then probes from the other key.
+    Noninterference,
+    /// Prompts under, at and over the context and the pool limit.
+    Limits,
+    /// The prefix cache seen through time to first token.
+    Timing,
+}
+
+impl Phase {
+    const ALL: [Phase; 3] = [Phase::Noninterference, Phase::Limits, Phase::Timing];
 }
 
 /// How the audit ended.
@@ -85,6 +114,9 @@ pub enum Outcome {
     Clean,
     /// Findings, reported.
     Findings,
+    /// Nothing found, but the server stopped answering before the audit
+    /// was done: the audit could not run to its end.
+    Incomplete,
 }
 
 /// Runs the audit.
@@ -117,10 +149,12 @@ pub fn run(args: &Args) -> anyhow::Result<Outcome> {
         std::fs::write(path, serde_json::to_string_pretty(&report.sarif())? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    Ok(if report.found.findings.is_empty() {
-        Outcome::Clean
-    } else {
+    Ok(if !report.found.findings.is_empty() {
         Outcome::Findings
+    } else if report.unresponsive {
+        Outcome::Incomplete
+    } else {
+        Outcome::Clean
     })
 }
 
@@ -156,16 +190,25 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
         pool: args.pool_limit,
         concurrency: args.concurrency,
         samples: args.timing_samples,
+        phases: args.phases.clone(),
     };
     let phases = run_phases(&client, &keys, &mut texts, &plan, &mut found).await;
-    let budget_spent = phases.is_err();
-    if budget_spent {
-        found.notes.push(format!(
-            "the budget of {} requests ran out; later probes did not run",
-            args.budget
-        ));
+    let budget_spent = matches!(phases, Err(Stop::Budget(_)));
+    let unresponsive = matches!(phases, Err(Stop::Unresponsive(_)));
+    if let Err(stop) = phases {
+        found.notes.push(stop.to_string());
     }
-    if context.is_none() {
+    let skipped: Vec<String> = Phase::ALL
+        .iter()
+        .filter(|p| !args.phases.contains(p))
+        .filter_map(|p| clap::ValueEnum::to_possible_value(p).map(|v| v.get_name().to_string()))
+        .collect();
+    if !skipped.is_empty() {
+        found
+            .notes
+            .push(format!("phases not run (--phases): {}", skipped.join(", ")));
+    }
+    if context.is_none() && args.phases.contains(&Phase::Limits) {
         found.notes.push(
             "the server gave no context length (max_model_len) and --context-length was not given: limit probes skipped"
                 .into(),
@@ -179,6 +222,7 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
         requests_sent: client.sent(),
         budget: args.budget,
         budget_spent,
+        unresponsive,
         cross_tenant: args.other_api_key.is_some(),
         found,
     })
@@ -190,6 +234,7 @@ struct Plan {
     pool: Option<usize>,
     concurrency: usize,
     samples: usize,
+    phases: Vec<Phase>,
 }
 
 async fn run_phases(
@@ -198,11 +243,16 @@ async fn run_phases(
     texts: &mut Texts,
     plan: &Plan,
     found: &mut Found,
-) -> Result<(), BudgetSpent> {
+) -> Result<(), Stop> {
     probes::determinism(client, keys, texts, plan.concurrency, found).await?;
-    probes::noninterference(client, keys, texts, plan.context, plan.pool, found).await?;
-    if let Some(ctx) = plan.context {
+    if plan.phases.contains(&Phase::Noninterference) {
+        probes::noninterference(client, keys, texts, plan.context, plan.pool, found).await?;
+    }
+    if let (true, Some(ctx)) = (plan.phases.contains(&Phase::Limits), plan.context) {
         probes::limits(client, keys.victim, ctx, plan.pool, found).await?;
     }
-    probes::prefix_timing(client, keys, texts, plan.context, plan.samples, found).await
+    if plan.phases.contains(&Phase::Timing) {
+        probes::prefix_timing(client, keys, texts, plan.context, plan.samples, found).await?;
+    }
+    Ok(())
 }

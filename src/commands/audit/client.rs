@@ -32,10 +32,24 @@ impl Completion {
     }
 }
 
-/// The budget ran out: the audit stops sending and reports what it has.
+/// Why the audit stops sending and reports what it has.
 #[derive(Debug, thiserror::Error)]
-#[error("the request budget ({0}) is spent")]
-pub struct BudgetSpent(pub usize);
+pub enum Stop {
+    /// The budget ran out.
+    #[error("the budget of {0} requests ran out; later probes did not run")]
+    Budget(usize),
+    /// The server stopped answering: [`UNANSWERED_IN_A_ROW`] requests in a
+    /// row got no answer.
+    #[error(
+        "the server stopped answering: {UNANSWERED_IN_A_ROW} requests in a row got no answer \
+         (the last: {0}); later probes did not run"
+    )]
+    Unresponsive(String),
+}
+
+/// Requests in a row without an answer (no status: refused connection,
+/// timeout) after which the audit stops rather than wait out the rest.
+pub const UNANSWERED_IN_A_ROW: usize = 3;
 
 /// A client of one server.
 pub struct Client {
@@ -44,6 +58,8 @@ pub struct Client {
     pub model: String,
     budget: usize,
     sent: AtomicUsize,
+    /// Requests in a row that got no answer, and the last one's error.
+    unanswered: std::sync::Mutex<(usize, String)>,
     progress: indicatif::ProgressBar,
 }
 
@@ -81,6 +97,7 @@ impl Client {
             model: String::new(),
             budget,
             sent: AtomicUsize::new(0),
+            unanswered: std::sync::Mutex::new((0, String::new())),
             progress,
         })
     }
@@ -90,14 +107,30 @@ impl Client {
         self.sent.load(Ordering::Relaxed)
     }
 
-    fn spend(&self) -> Result<(), BudgetSpent> {
+    fn spend(&self) -> Result<(), Stop> {
+        {
+            let unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+            if unanswered.0 >= UNANSWERED_IN_A_ROW {
+                return Err(Stop::Unresponsive(unanswered.1.clone()));
+            }
+        }
         let n = self.sent.fetch_add(1, Ordering::Relaxed);
         if n >= self.budget {
             self.sent.fetch_sub(1, Ordering::Relaxed);
-            return Err(BudgetSpent(self.budget));
+            return Err(Stop::Budget(self.budget));
         }
         self.progress.inc(1);
         Ok(())
+    }
+
+    /// Counts a request that got an answer (`None`) or none (its error).
+    fn answered<T>(&self, r: anyhow::Result<T>) -> anyhow::Result<T> {
+        let mut unanswered = self.unanswered.lock().unwrap_or_else(|e| e.into_inner());
+        match &r {
+            Ok(_) => unanswered.0 = 0,
+            Err(e) => *unanswered = (unanswered.0 + 1, format!("{e:#}")),
+        }
+        r
     }
 
     fn post(&self, key: Option<&str>, path: &str, body: &Value) -> reqwest::RequestBuilder {
@@ -158,7 +191,7 @@ impl Client {
     /// A greedy completion of `prompt`.
     ///
     /// # Errors
-    /// [`BudgetSpent`], or the request failed (no answer, timeout).
+    /// [`Stop`], or the request failed (no answer, timeout).
     pub async fn complete(
         &self,
         key: Option<&str>,
@@ -170,30 +203,62 @@ impl Client {
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "seed": 0,
         });
-        let resp = self
-            .post(key, "/v1/completions", &body)
-            .send()
-            .await
-            .context("sending a completion")?;
-        let status = resp.status().as_u16();
-        let bytes = resp.bytes().await.context("reading a completion")?;
-        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        if !(200..300).contains(&status) {
-            return Ok(Completion {
+        let answer = async {
+            let resp = self
+                .post(key, "/v1/completions", &body)
+                .send()
+                .await
+                .context("sending a completion")?;
+            let status = resp.status().as_u16();
+            let bytes = resp.bytes().await.context("reading a completion")?;
+            let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            if !(200..300).contains(&status) {
+                return Ok(Completion {
+                    status,
+                    error: Some(error_message(&v)),
+                    ..Completion::default()
+                });
+            }
+            let choice = &v["choices"][0];
+            Ok(Completion {
                 status,
-                error: Some(error_message(&v)),
-                ..Completion::default()
-            });
+                text: choice["text"].as_str().unwrap_or_default().to_string(),
+                prompt_tokens: v["usage"]["prompt_tokens"].as_u64(),
+                completion_tokens: v["usage"]["completion_tokens"].as_u64(),
+                finish_reason: choice["finish_reason"].as_str().map(str::to_string),
+                error: None,
+            })
         }
-        let choice = &v["choices"][0];
-        Ok(Completion {
-            status,
-            text: choice["text"].as_str().unwrap_or_default().to_string(),
-            prompt_tokens: v["usage"]["prompt_tokens"].as_u64(),
-            completion_tokens: v["usage"]["completion_tokens"].as_u64(),
-            finish_reason: choice["finish_reason"].as_str().map(str::to_string),
-            error: None,
-        })
+        .await;
+        self.answered(answer)
+    }
+
+    /// A streamed completion of `prompt` that the client abandons after
+    /// `after`: the connection is closed mid-request, as a client that
+    /// times out or navigates away closes it. Nothing of the answer is kept.
+    ///
+    /// # Errors
+    /// [`Stop`].
+    pub async fn abandon(
+        &self,
+        key: Option<&str>,
+        prompt: &str,
+        max_tokens: usize,
+        after: Duration,
+    ) -> Result<(), Stop> {
+        self.spend()?;
+        let body = json!({
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": true,
+        });
+        let read = async {
+            let mut resp = self.post(key, "/v1/completions", &body).send().await?;
+            while resp.chunk().await?.is_some() {}
+            Ok::<(), reqwest::Error>(())
+        };
+        // Dropping the unfinished request closes its connection.
+        let _ = tokio::time::timeout(after, read).await;
+        Ok(())
     }
 
     /// Time to the first streamed chunk that carries text, for `prompt`.
@@ -211,40 +276,44 @@ impl Client {
             "model": self.model, "prompt": prompt, "max_tokens": 2,
             "temperature": 0, "stream": true,
         });
-        let start = Instant::now();
-        let mut resp = self
-            .post(key, "/v1/completions", &body)
-            .send()
-            .await
-            .context("sending a streamed completion")?;
-        if !resp.status().is_success() {
-            return Ok(None);
-        }
-        let mut pending = String::new();
-        while let Some(chunk) = resp.chunk().await.context("reading the stream")? {
-            pending.push_str(&String::from_utf8_lossy(&chunk));
-            while let Some(at) = pending.find('\n') {
-                let line: String = pending.drain(..=at).collect();
-                let Some(data) = line.trim().strip_prefix("data:") else {
-                    continue;
-                };
-                let data = data.trim();
-                if data == "[DONE]" {
-                    return Ok(None);
-                }
-                let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-                if v["choices"][0]["text"]
-                    .as_str()
-                    .is_some_and(|t| !t.is_empty())
-                {
-                    let first = start.elapsed();
-                    // Drain the rest so the connection is reusable.
-                    while resp.chunk().await.ok().flatten().is_some() {}
-                    return Ok(Some(first));
+        let answer = async {
+            let start = Instant::now();
+            let mut resp = self
+                .post(key, "/v1/completions", &body)
+                .send()
+                .await
+                .context("sending a streamed completion")?;
+            if !resp.status().is_success() {
+                return Ok(None);
+            }
+            let mut pending = String::new();
+            while let Some(chunk) = resp.chunk().await.context("reading the stream")? {
+                pending.push_str(&String::from_utf8_lossy(&chunk));
+                while let Some(at) = pending.find('\n') {
+                    let line: String = pending.drain(..=at).collect();
+                    let Some(data) = line.trim().strip_prefix("data:") else {
+                        continue;
+                    };
+                    let data = data.trim();
+                    if data == "[DONE]" {
+                        return Ok(None);
+                    }
+                    let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+                    if v["choices"][0]["text"]
+                        .as_str()
+                        .is_some_and(|t| !t.is_empty())
+                    {
+                        let first = start.elapsed();
+                        // Drain the rest so the connection is reusable.
+                        while resp.chunk().await.ok().flatten().is_some() {}
+                        return Ok(Some(first));
+                    }
                 }
             }
+            Ok(None)
         }
-        Ok(None)
+        .await;
+        self.answered(answer)
     }
 }
 

@@ -8,7 +8,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use super::client::{BudgetSpent, Client, Completion};
+use super::client::{Client, Completion, Stop};
 use super::ks::{self, Ks};
 
 /// A kind of finding: one SARIF rule each.
@@ -153,9 +153,15 @@ impl Texts {
             .join(" ")
     }
 
-    /// A fresh canary secret: 16 hex digits.
+    /// A fresh canary secret: 16 decimal digits. Every canary is as many
+    /// tokens as every other in the tokenizers that split digits alike
+    /// whatever their values (one by one, or in groups of three), so the
+    /// victims' batch shapes do not change with the canary.
     pub fn canary(&mut self) -> String {
-        format!("{:016x}", self.rng.random::<u64>())
+        format!(
+            "{:016}",
+            self.rng.random_range(0..10_000_000_000_000_000u64)
+        )
     }
 }
 
@@ -166,17 +172,24 @@ pub fn filler(n: usize) -> String {
 }
 
 /// A victim prompt carrying `canary`, about `tokens` tokens long: the
-/// canary, and words drawn from it, so that everything the victim sends
-/// changes with the canary and nothing else does.
+/// canary, and a fixed bag of words in an order drawn from it — so that
+/// everything the victim sends changes with the canary (its KV differs
+/// at nearly every position) while its length in tokens does not
+/// (tokenizers that split text into words first count a word alike
+/// wherever it stands).
 fn victim_prompt(canary: &str, tokens: usize) -> String {
-    let mut words = Texts::new(u64::from_str_radix(canary, 16).unwrap_or(0));
+    let mut rng = ChaCha8Rng::seed_from_u64(canary.parse().unwrap_or(0));
     // The code sentences are about 12 tokens each; a word is about 1.4
     // (measured with a Llama-3-style BPE) — so the prompt stays under
     // `tokens` wherever that estimate holds.
     let n = (tokens.saturating_sub(24) * 10 / 14).max(4);
+    let mut words: Vec<&str> = WORDS.iter().copied().cycle().take(n).collect();
+    for i in (1..words.len()).rev() {
+        words.swap(i, rng.random_range(0..=i));
+    }
     format!(
         "The secret code is {canary}. {}. Remember the secret code {canary}.",
-        words.words(n)
+        words.join(" ")
     )
 }
 
@@ -191,20 +204,18 @@ pub async fn determinism(
     texts: &mut Texts,
     concurrency: usize,
     found: &mut Found,
-) -> Result<(), BudgetSpent> {
+) -> Result<(), Stop> {
     let prompt = texts.words(40);
     let mut outputs = Vec::new();
     for _ in 0..3 {
-        outputs.push(ok_or_budget(
-            client.complete(keys.victim, &prompt, 12).await,
-        )?);
+        outputs.push(ok_or_stop(client.complete(keys.victim, &prompt, 12).await)?);
     }
     let concurrent = futures_util::future::join_all(
         (0..concurrency).map(|_| client.complete(keys.victim, &prompt, 12)),
     )
     .await;
     for c in concurrent {
-        outputs.push(ok_or_budget(c)?);
+        outputs.push(ok_or_stop(c)?);
     }
     let served: Vec<&Completion> = outputs.iter().filter(|c| c.served_text()).collect();
     let mut distinct: Vec<&str> = served.iter().map(|c| c.text.as_str()).collect();
@@ -241,7 +252,27 @@ pub async fn determinism(
 /// maps two canaries to one output still shows among three.
 const CANARIES: usize = 3;
 
+/// A fixed request of the probe's key, whose greedy output must not change
+/// with anything another request sends.
+struct Probe {
+    name: &'static str,
+    prompt: String,
+    max_tokens: usize,
+}
+
+/// About `tokens` tokens of made-up words (a word is about 1.4 tokens).
+fn words_for(texts: &mut Texts, tokens: usize) -> String {
+    texts.words((tokens * 10 / 14).max(4))
+}
+
 /// Phase 2: does a probe's output depend on another request's canary?
+///
+/// Probes of four shapes (short, long enough to take a long prefill chunk,
+/// a long answer crossing many pages, over the limit) each follow victims
+/// of three shapes, three canaries each. Then the patterns of a loaded
+/// server: victims and probes in flight together; a probe retried after its
+/// client abandoned it mid-request; a prompt sent twice at once; a request
+/// extending a probe's prompt while the probe answers.
 pub async fn noninterference(
     client: &Client,
     keys: &Keys<'_>,
@@ -249,7 +280,7 @@ pub async fn noninterference(
     context: Option<usize>,
     pool: Option<usize>,
     found: &mut Found,
-) -> Result<(), BudgetSpent> {
+) -> Result<(), Stop> {
     let ctx = context.unwrap_or(2048);
     // What the server can hold: the smaller of the context and the pool.
     let hold = pool.map_or(ctx, |p| p.min(ctx));
@@ -258,8 +289,26 @@ pub async fn noninterference(
         _ => filler(ctx * 3 / 2),
     };
     let probes = [
-        ("short probe", texts.words(12), 8usize),
-        ("oversize probe", oversize, 8),
+        Probe {
+            name: "short probe",
+            prompt: texts.words(12),
+            max_tokens: 8,
+        },
+        Probe {
+            name: "long probe",
+            prompt: words_for(texts, hold * 2 / 5),
+            max_tokens: 8,
+        },
+        Probe {
+            name: "long-answer probe",
+            prompt: texts.words(12),
+            max_tokens: hold / 2,
+        },
+        Probe {
+            name: "oversize probe",
+            prompt: oversize,
+            max_tokens: 8,
+        },
     ];
     let shapes = [
         ("short victim", 40usize),
@@ -267,48 +316,316 @@ pub async fn noninterference(
         ("near-limit victim", hold * 9 / 10),
     ];
     let deterministic = found.determinism.deterministic;
-    for (probe_name, probe, probe_tokens) in &probes {
+    for probe in &probes {
         for (shape, tokens) in shapes {
             let mut outs: Vec<(String, Completion)> = Vec::new();
             for _ in 0..CANARIES {
                 let canary = texts.canary();
-                let v = ok_or_budget(
+                victim(client, keys, &canary, shape, tokens, found).await?;
+                let o = ok_or_stop(
                     client
-                        .complete(keys.victim, &victim_prompt(&canary, tokens), 4)
+                        .complete(keys.probe, &probe.prompt, probe.max_tokens)
                         .await,
                 )?;
-                if !v.served_text() && v.status >= 500 {
-                    found
-                        .notes
-                        .push(format!("{shape}: the victim request got {}", v.status));
-                }
-                let o = ok_or_budget(client.complete(keys.probe, probe, *probe_tokens).await)?;
                 outs.push((canary, o));
             }
             found.noninterference_pairs += 1;
-            judge(found, probe_name, shape, "sequential", &outs, deterministic);
+            judge(found, probe.name, shape, "sequential", &outs, deterministic);
         }
-        // Concurrent: victim and probe in flight together (only a quoted
-        // canary counts: batch composition may change outputs legitimately).
-        let canary = texts.canary();
-        let victim = victim_prompt(&canary, 40);
-        let (v, o) = futures_util::future::join(
-            client.complete(keys.victim, &victim, 4),
-            client.complete(keys.probe, probe, *probe_tokens),
+    }
+    let stable = concurrent(client, keys, texts, &probes, &shapes, found).await?;
+    for how in [Resend::RetriedAfterAbandon, Resend::TwiceAtOnce] {
+        resent_after_victim(client, keys, texts, hold, how, found).await?;
+    }
+    extended_while_answering(client, keys, texts, &probes[2], stable, found).await
+}
+
+/// One victim request carrying `canary`, `tokens` long: the time it took.
+async fn victim(
+    client: &Client,
+    keys: &Keys<'_>,
+    canary: &str,
+    shape: &str,
+    tokens: usize,
+    found: &mut Found,
+) -> Result<Duration, Stop> {
+    let start = std::time::Instant::now();
+    let v = ok_or_stop(
+        client
+            .complete(keys.victim, &victim_prompt(canary, tokens), 4)
+            .await,
+    )?;
+    if !v.served_text() && v.status >= 500 {
+        found
+            .notes
+            .push(format!("{shape}: the victim request got {}", v.status));
+    }
+    Ok(start.elapsed())
+}
+
+/// Victims of every shape and two probes in flight together: the
+/// long-answer probe sent with the victims, the short probe sent when they
+/// are done while the long answer goes on. Rounds with new canaries, and
+/// the first round's canaries twice more as the control: a server whose
+/// probes' outputs change between identical rounds is nondeterministic
+/// under load, and then only quoted canaries count. Returns whether the
+/// control rounds agreed.
+async fn concurrent(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    probes: &[Probe; 4],
+    shapes: &[(&str, usize); 3],
+    found: &mut Found,
+) -> Result<bool, Stop> {
+    let sets: Vec<Vec<String>> = (0..CANARIES)
+        .map(|_| shapes.iter().map(|_| texts.canary()).collect())
+        .collect();
+    // Set 0, 1, 0, 2, 0: the control rounds interleaved with the others.
+    let order = [0, 1, 0, 2, 0];
+    let (long_answer, short) = (&probes[2], &probes[0]);
+    let mut rounds: Vec<(usize, Completion, Completion)> = Vec::new();
+    for &set in &order {
+        let prompts: Vec<String> = shapes
+            .iter()
+            .zip(&sets[set])
+            .map(|((_, tokens), canary)| victim_prompt(canary, *tokens))
+            .collect();
+        let victims = prompts.iter().map(|p| client.complete(keys.victim, p, 4));
+        let (answer, (victims, later)) = futures_util::future::join(
+            client.complete(keys.probe, &long_answer.prompt, long_answer.max_tokens),
+            async {
+                let v = futures_util::future::join_all(victims).await;
+                let later = client
+                    .complete(keys.probe, &short.prompt, short.max_tokens)
+                    .await;
+                (v, later)
+            },
         )
         .await;
-        ok_or_budget(v)?;
-        let o = ok_or_budget(o)?;
-        judge(
-            found,
-            probe_name,
-            "short victim",
-            "concurrent",
-            &[(canary, o)],
-            false,
+        for v in victims {
+            ok_or_stop(v)?;
+        }
+        rounds.push((set, ok_or_stop(answer)?, ok_or_stop(later)?));
+    }
+    let text = |c: &Completion| c.text.clone();
+    let control_agrees = |pick: fn(&(usize, Completion, Completion)) -> &Completion| {
+        let mut controls = rounds.iter().filter(|r| r.0 == 0).map(|r| text(pick(r)));
+        let first = controls.next();
+        controls.all(|t| Some(t) == first)
+    };
+    let stable =
+        found.determinism.deterministic && control_agrees(|r| &r.1) && control_agrees(|r| &r.2);
+    if found.determinism.deterministic && !stable {
+        found.notes.push(
+            "the probes' outputs changed between identical rounds under load: the server is \
+             not deterministic with other requests in flight; concurrent comparisons are \
+             skipped and only quoted canaries count"
+                .into(),
         );
     }
+    // One output per canary set (the first round of each) for the
+    // comparison; every round for the quotes.
+    for (name, pick) in [
+        (
+            long_answer.name,
+            (|r: &(usize, Completion, Completion)| &r.1) as fn(&_) -> &Completion,
+        ),
+        (short.name, |r| &r.2),
+    ] {
+        let outs: Vec<(String, Completion)> = sets
+            .iter()
+            .enumerate()
+            .filter_map(|(set, canaries)| {
+                let r = rounds.iter().find(|r| r.0 == set)?;
+                Some((canaries.join(" "), pick(r).clone()))
+            })
+            .collect();
+        let quotes: Vec<(String, Completion)> = rounds
+            .iter()
+            .flat_map(|r| sets[r.0].iter().map(move |c| (c.clone(), pick(r).clone())))
+            .collect();
+        found.noninterference_pairs += 1;
+        if !quoted(found, name, "victims of every shape", "concurrent", &quotes) {
+            judge(
+                found,
+                name,
+                "victims of every shape",
+                "concurrent",
+                &outs,
+                stable,
+            );
+        }
+    }
+    Ok(stable)
+}
+
+/// How the probe's key sends a new long prompt after a victim.
+#[derive(Clone, Copy)]
+enum Resend {
+    /// Sent, abandoned mid-request (a client timing out) and sent again
+    /// (its retry): a server that keeps or caches the abandoned request's
+    /// pages as if they were computed answers the retry from the victim's
+    /// KV.
+    RetriedAfterAbandon,
+    /// Sent twice at once (two users of one system prompt): a server that
+    /// shares a page of the prompt before its writer has filled it answers
+    /// from the victim's KV.
+    TwiceAtOnce,
+}
+
+/// After a victim, the probe's key sends a new long prompt as `how` says;
+/// the other key then sends the same prompt. The probe's answers must be
+/// the other key's fresh answer, whatever the victim's canary.
+async fn resent_after_victim(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    hold: usize,
+    how: Resend,
+    found: &mut Found,
+) -> Result<(), Stop> {
+    for round in 0..CANARIES {
+        let canary = texts.canary();
+        let took = victim(client, keys, &canary, "long victim", hold * 3 / 5, found).await?;
+        let prompt = words_for(texts, hold * 2 / 5);
+        let (probe, mode, answers) = match how {
+            Resend::RetriedAfterAbandon => {
+                // Abandoned at a sixth, a third and half of the victim's
+                // time: from early in the prompt's prefill to about its end.
+                let after = took * (round as u32 + 1) / 6;
+                client.abandon(keys.probe, &prompt, 8, after).await?;
+                let retry = ok_or_stop(client.complete(keys.probe, &prompt, 8).await)?;
+                (
+                    "retried long probe",
+                    "retried after its client abandoned it",
+                    vec![retry],
+                )
+            }
+            Resend::TwiceAtOnce => {
+                let (a, b) = futures_util::future::join(
+                    client.complete(keys.probe, &prompt, 8),
+                    client.complete(keys.probe, &prompt, 8),
+                )
+                .await;
+                (
+                    "twin long probe",
+                    "sent twice at once",
+                    vec![ok_or_stop(a)?, ok_or_stop(b)?],
+                )
+            }
+        };
+        let fresh = ok_or_stop(client.complete(keys.victim, &prompt, 8).await)?;
+        for answer in answers {
+            fresh_pair(found, probe, mode, canary.clone(), answer, fresh.clone());
+        }
+    }
     Ok(())
+}
+
+/// While the long-answer probe answers, the probe's key sends a request
+/// that extends the probe's prompt with a canary (a conversation's next
+/// turn): the probe's answer must not change with that canary. A server
+/// that shares the probe's partly filled last page lets the other request
+/// write into the probe's answer slots.
+async fn extended_while_answering(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    probe: &Probe,
+    stable: bool,
+    found: &mut Found,
+) -> Result<(), Stop> {
+    let mut outs = Vec::new();
+    for _ in 0..CANARIES {
+        let canary = texts.canary();
+        let extension = format!("{} {}", probe.prompt, victim_prompt(&canary, 40));
+        let (answer, other) = futures_util::future::join(
+            client.complete(keys.probe, &probe.prompt, probe.max_tokens),
+            async {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                client.complete(keys.probe, &extension, 4).await
+            },
+        )
+        .await;
+        ok_or_stop(other)?;
+        outs.push((canary, ok_or_stop(answer)?));
+    }
+    found.noninterference_pairs += 1;
+    judge(
+        found,
+        probe.name,
+        "request extending its prompt",
+        "concurrent",
+        &outs,
+        stable,
+    );
+    Ok(())
+}
+
+/// A probe's answer against the other key's fresh answer to the same
+/// prompt, after a victim with `canary`: a finding when the probe quotes
+/// the canary, or (on a deterministic server) answers otherwise.
+fn fresh_pair(
+    found: &mut Found,
+    probe: &str,
+    mode: &str,
+    canary: String,
+    probe_out: Completion,
+    fresh: Completion,
+) {
+    found.noninterference_pairs += 1;
+    if quoted(
+        found,
+        probe,
+        "long victim",
+        mode,
+        &[(canary.clone(), probe_out.clone())],
+    ) {
+        return;
+    }
+    let compare = found.determinism.deterministic && probe_out.served_text() && fresh.served_text();
+    if compare && probe_out.text != fresh.text {
+        found.findings.push(Finding {
+            rule: Rule::OutputDependsOnOtherRequest,
+            message: format!(
+                "the {probe}'s greedy output ({mode}, after a long victim) differs from the other key's fresh answer to the same prompt"
+            ),
+            evidence: serde_json::json!({
+                "probe": probe, "victim": "long victim", "mode": mode, "canaries": [canary],
+                "output_hashes": [hash(&probe_out.text)], "fresh_output_hash": hash(&fresh.text),
+                "output_chars": [probe_out.text.chars().count()], "fresh_output_chars": fresh.text.chars().count(),
+            }),
+        });
+    }
+}
+
+/// A finding when a probe output quotes a canary (or its first half) of
+/// the requests before or beside it; whether one did.
+fn quoted(
+    found: &mut Found,
+    probe: &str,
+    shape: &str,
+    mode: &str,
+    outs: &[(String, Completion)],
+) -> bool {
+    let quoted = outs.iter().find_map(|(_, o)| {
+        outs.iter()
+            .map(|(c, _)| c)
+            .find(|c| o.text.contains(&c[..8]))
+            .map(|c| (c, o.status))
+    });
+    if let Some((canary, status)) = quoted {
+        found.findings.push(Finding {
+            rule: Rule::CanaryQuoted,
+            message: format!(
+                "the {probe}'s output ({mode}, after a {shape}) quoted a canary only another request sent"
+            ),
+            evidence: serde_json::json!({"probe": probe, "victim": shape, "mode": mode, "canary": canary, "status": status}),
+        });
+        return true;
+    }
+    false
 }
 
 /// The findings of one probe's outputs, each after a victim with its canary.
@@ -320,21 +637,7 @@ fn judge(
     outs: &[(String, Completion)],
     compare: bool,
 ) {
-    // A canary, or its first half, anywhere in any probe output.
-    let quoted = outs.iter().find_map(|(_, o)| {
-        outs.iter()
-            .map(|(c, _)| c)
-            .find(|c| o.text.contains(&c[..8]))
-            .map(|c| (c, o.status))
-    });
-    if let Some((canary, status)) = quoted {
-        found.findings.push(Finding {
-            rule: Rule::CanaryQuoted,
-            message: format!(
-                "the {probe}'s output ({mode}, after a {shape}) quoted a canary only the victim sent"
-            ),
-            evidence: serde_json::json!({"probe": probe, "victim": shape, "mode": mode, "canary": canary, "status": status}),
-        });
+    if quoted(found, probe, shape, mode, outs) {
         return;
     }
     let served: Vec<&Completion> = outs
@@ -368,7 +671,7 @@ pub async fn limits(
     context: usize,
     pool: Option<usize>,
     found: &mut Found,
-) -> Result<(), BudgetSpent> {
+) -> Result<(), Stop> {
     let mut probes: Vec<(&'static str, usize, usize, bool)> = vec![
         ("half the context", context / 2, 4, false),
         ("at the context", context.saturating_sub(8), 4, false),
@@ -394,7 +697,7 @@ pub async fn limits(
         } else {
             context
         };
-        let c = ok_or_budget(client.complete(key, &filler(words), max_tokens).await)?;
+        let c = ok_or_stop(client.complete(key, &filler(words), max_tokens).await)?;
         let total = c.prompt_tokens.zip(c.completion_tokens).map(|(p, n)| p + n);
         let outcome = if c.status >= 500 {
             found.findings.push(Finding {
@@ -458,7 +761,7 @@ pub async fn prefix_timing(
     context: Option<usize>,
     samples: usize,
     found: &mut Found,
-) -> Result<(), BudgetSpent> {
+) -> Result<(), Stop> {
     let words = (context.unwrap_or(2048) * 3 / 10).clamp(64, 1500);
     let same = timing_arm(client, keys.victim, keys.victim, texts, words, samples).await?;
     let cache_seen = same.ks.p < 0.01 && same.effect_ms > 0.0;
@@ -513,18 +816,18 @@ async fn timing_arm(
     texts: &mut Texts,
     words: usize,
     samples: usize,
-) -> Result<Timing, BudgetSpent> {
+) -> Result<Timing, Stop> {
     let before = client.sent();
     let (mut hit, mut miss) = (Vec::new(), Vec::new());
     for i in 0..samples {
         let prefix = texts.words(words);
-        ok_or_budget(
+        ok_or_stop(
             client
                 .complete(warm_key, &format!("{prefix} warm"), 1)
                 .await,
         )?;
         let suffix = format!(" question {i}");
-        if let Some(t) = ok_or_budget(
+        if let Some(t) = ok_or_stop(
             client
                 .time_to_first_token(probe_key, &format!("{prefix}{suffix}"))
                 .await,
@@ -532,7 +835,7 @@ async fn timing_arm(
             hit.push(ms(t));
         }
         let fresh = texts.words(words);
-        if let Some(t) = ok_or_budget(
+        if let Some(t) = ok_or_stop(
             client
                 .time_to_first_token(probe_key, &format!("{fresh}{suffix}"))
                 .await,
@@ -578,10 +881,10 @@ fn median(v: &[f64]) -> f64 {
 
 /// A request's answer, a spent budget (ends the phase), or a failed request
 /// (its error kept as a 599 answer: no status came back).
-fn ok_or_budget<T: Default + From<Failed>>(r: anyhow::Result<T>) -> Result<T, BudgetSpent> {
+fn ok_or_stop<T: Default + From<Failed>>(r: anyhow::Result<T>) -> Result<T, Stop> {
     match r {
         Ok(v) => Ok(v),
-        Err(e) => match e.downcast::<BudgetSpent>() {
+        Err(e) => match e.downcast::<Stop>() {
             Ok(spent) => Err(spent),
             Err(e) => Ok(T::from(Failed(e.to_string()))),
         },
@@ -620,6 +923,34 @@ mod tests {
                 ..Completion::default()
             },
         )
+    }
+
+    #[test]
+    fn victims_differ_with_the_canary_in_order_only_so_their_length_does_not() {
+        let mut texts = Texts::new(3);
+        let (a, b) = (texts.canary(), texts.canary());
+        assert_eq!(a.len(), 16);
+        assert!(a.bytes().all(|c| c.is_ascii_digit()), "{a}");
+        let (va, vb) = (victim_prompt(&a, 120), victim_prompt(&b, 120));
+        assert_ne!(
+            va.replace(&a, ""),
+            vb.replace(&b, ""),
+            "the words' order follows the canary"
+        );
+        let bag = |v: &str| {
+            let mut w: Vec<String> = v
+                .split_whitespace()
+                .map(|w| w.trim_end_matches('.').to_string())
+                .collect();
+            w.sort();
+            w
+        };
+        assert_eq!(
+            bag(&va.replace(&a, "C")),
+            bag(&vb.replace(&b, "C")),
+            "the same words"
+        );
+        assert!(va.contains(&a) && vb.contains(&b));
     }
 
     #[test]

@@ -18,6 +18,8 @@ pub struct Report {
     pub requests_sent: usize,
     pub budget: usize,
     pub budget_spent: bool,
+    /// The server stopped answering and the audit stopped early.
+    pub unresponsive: bool,
     pub cross_tenant: bool,
     #[serde(flatten)]
     pub found: Found,
@@ -38,6 +40,8 @@ impl Report {
             self.budget,
             if self.budget_spent {
                 " (spent: the audit stopped early)"
+            } else if self.unresponsive {
+                " (the server stopped answering: the audit stopped early)"
             } else {
                 ""
             }

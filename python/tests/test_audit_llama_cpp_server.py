@@ -1,0 +1,102 @@
+"""`kvsan audit` against a server no one here wrote: llama.cpp's server
+through llama-cpp-python, on the same GGUF file kvsan serves.
+
+What it shows about that server, asserted: it is deterministic, it refuses
+prompts over its context with a 400 naming the limit, and its prompt cache
+is shared across API keys (the server has no tenants: a prefix one client
+sent makes another client's first token faster) — found by the timing
+test, exit status 1.
+
+`scripts/test` builds llama-cpp-python from source into this virtual
+environment and names the `kvsan` binary and the model in `KVSAN_BIN` and
+`KVSAN_MODEL`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/test installs it)")
+
+CONTEXT = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _path(var: str) -> Path:
+    value = os.environ.get(var)
+    if not value:
+        pytest.fail(f"{var} is not set: run the tests through scripts/test")
+    path = Path(value)
+    assert path.exists(), f"{var}={path} does not exist"
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    model = _path("KVSAN_MODEL")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", str(CONTEXT),
+         "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            err = log.read_text(errors="replace")[-2000:]
+            pytest.fail(f"llama_cpp.server did not start on {url}: {err}")
+        time.sleep(0.5)
+    yield url
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def test_the_audit_finds_llama_cpp_servers_prompt_cache_shared_across_keys(llama_server):
+    kvsan = _path("KVSAN_BIN")
+    out = subprocess.run(
+        [str(kvsan), "audit", "--base-url", llama_server, "--api-key", "sk-a", "--other-api-key", "sk-b",
+         "--context-length", str(CONTEXT), "--phases", "limits,timing", "--timing-samples", "6",
+         "--budget", "120", "--seed", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    report = json.loads(out.stdout)
+    assert out.returncode == 1, (out.returncode, report, out.stderr[-2000:])
+    assert report["determinism"]["deterministic"], report
+    rules = [f["rule"] for f in report["findings"]]
+    assert rules == ["cross-key-prefix-cache"], report
+    same, other = report["timing"]
+    assert same["verdict"].startswith("cache detected"), report
+    assert other["verdict"].startswith("hit across keys"), report
+    limits = {probe["name"]: probe for probe in report["limits"]}
+    for over in ("just over the context", "twice the context"):
+        assert limits[over]["status"] == 400, limits[over]
+        assert "maximum context length is 256 tokens" in limits[over]["outcome"], limits[over]
