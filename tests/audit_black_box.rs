@@ -309,7 +309,7 @@ fn a_prefix_cache_shared_across_tenants_is_found_by_timing() {
 /// into another's output are found, exit 1, as a probe whose greedy
 /// output changed with another request's canary or quoted it.
 #[cfg(feature = "faults")]
-fn kv_fault_is_found(name: &'static str, role: &str, fault: &str, serve: &[&str]) {
+fn kv_fault_is_found(name: &'static str, role: &str, fault: &str, serve: &[&str]) -> Value {
     let mut args = vec!["--inject", fault];
     args.extend_from_slice(serve);
     let server = chunked_server(name, role, &args);
@@ -328,12 +328,34 @@ fn kv_fault_is_found(name: &'static str, role: &str, fault: &str, serve: &[&str]
         "{fault}: {report:#}"
     );
     assert_eq!(report["determinism"]["deterministic"], true, "{report:#}");
+    report
 }
 
 #[cfg(feature = "faults")]
 #[test]
 fn skip_layer_write_is_found_by_the_noninterference_probes() {
     kv_fault_is_found("audit-skip-layer-write", "unified", "skip-layer-write", &[]);
+}
+
+/// A batch-array row kept from step to step (`stale-batch-array`): the
+/// probe that moves into the row a same-length victim has just left
+/// attends over the victim's freed pages — found side by side.
+#[cfg(feature = "faults")]
+#[test]
+fn stale_batch_array_is_found_side_by_side() {
+    let report = kv_fault_is_found(
+        "audit-stale-batch-array",
+        "unified",
+        "stale-batch-array",
+        &[],
+    );
+    let findings = report["findings"].as_array().unwrap();
+    assert!(
+        findings
+            .iter()
+            .any(|f| f["evidence"]["probe"] == "side-by-side probe"),
+        "{report:#}"
+    );
 }
 
 #[cfg(feature = "faults")]
@@ -343,17 +365,6 @@ fn cache_partial_page_shared_is_found_by_the_noninterference_probes() {
         "audit-cache-partial-page-shared",
         "unified",
         "cache-partial-page-shared",
-        &[],
-    );
-}
-
-#[cfg(feature = "faults")]
-#[test]
-fn cache_keeps_aborted_is_found_by_the_noninterference_probes() {
-    kv_fault_is_found(
-        "audit-cache-keeps-aborted",
-        "unified",
-        "cache-keeps-aborted",
         &[],
     );
 }

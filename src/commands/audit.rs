@@ -11,7 +11,9 @@
 //!                     server's patterns: victims and probes in flight
 //!                     together, a request retried after its client
 //!                     abandoned it, one prompt sent twice at once, a
-//!                     request extending a probe's prompt mid-answer
+//!                     request extending a probe's prompt mid-answer,
+//!                     a probe going on beside a victim that just left,
+//!                     a victim abandoned while a probe answers
 //!  3 limits           prompts under, at, just over and far over the
 //!                     context; max_tokens pushing past it
 //!  4 prefix timing    a repeated prefix's time to first token against

@@ -272,7 +272,9 @@ fn words_for(texts: &mut Texts, tokens: usize) -> String {
 /// of three shapes, three canaries each. Then the patterns of a loaded
 /// server: victims and probes in flight together; a probe retried after its
 /// client abandoned it mid-request; a prompt sent twice at once; a request
-/// extending a probe's prompt while the probe answers.
+/// extending a probe's prompt while the probe answers; a probe going on
+/// beside a victim that has just left; a victim abandoned while a probe
+/// answers.
 pub async fn noninterference(
     client: &Client,
     keys: &Keys<'_>,
@@ -337,7 +339,9 @@ pub async fn noninterference(
     for how in [Resend::RetriedAfterAbandon, Resend::TwiceAtOnce] {
         resent_after_victim(client, keys, texts, hold, how, found).await?;
     }
-    extended_while_answering(client, keys, texts, &probes[2], stable, found).await
+    extended_while_answering(client, keys, texts, &probes[2], stable, found).await?;
+    side_by_side(client, keys, texts, hold, stable, found).await?;
+    abandoned_beside_answer(client, keys, texts, &probes[2], hold, stable, found).await
 }
 
 /// One victim request carrying `canary`, `tokens` long: the time it took.
@@ -446,11 +450,17 @@ async fn concurrent(
             .flat_map(|r| sets[r.0].iter().map(move |c| (c.clone(), pick(r).clone())))
             .collect();
         found.noninterference_pairs += 1;
-        if !quoted(found, name, "victims of every shape", "concurrent", &quotes) {
+        if !quoted(
+            found,
+            name,
+            "mix of victims of every shape",
+            "concurrent",
+            &quotes,
+        ) {
             judge(
                 found,
                 name,
-                "victims of every shape",
+                "mix of victims of every shape",
                 "concurrent",
                 &outs,
                 stable,
@@ -542,10 +552,7 @@ async fn extended_while_answering(
         let extension = format!("{} {}", probe.prompt, victim_prompt(&canary, 40));
         let (answer, other) = futures_util::future::join(
             client.complete(keys.probe, &probe.prompt, probe.max_tokens),
-            async {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                client.complete(keys.probe, &extension, 4).await
-            },
+            after(200, client.complete(keys.probe, &extension, 4)),
         )
         .await;
         ok_or_stop(other)?;
@@ -561,6 +568,214 @@ async fn extended_while_answering(
         stable,
     );
     Ok(())
+}
+
+/// Rounds of one side-by-side pairing: canary sets 0, 1, 0, 2 — the
+/// pattern's own control (set 0 twice) beside two changes of canary.
+const SIDE_BY_SIDE_ROUNDS: [usize; 4] = [0, 1, 0, 2];
+
+/// A victim and a probe answered side by side: sent together, the victim
+/// first, the victim's answer the shorter. When the victim leaves, the
+/// probe goes on in the batch the victim has just left, with pages the
+/// victim has just freed nearby — where a server that keeps its batch
+/// arrays from step to step, or pads a batch into a slot it does not own,
+/// hands the probe the victim's KV. Two pairings: a probe whose prompt is
+/// as long as the victim's (at the victim's end both hold as many pages,
+/// whatever the page size), and a short probe beside victims that fill the
+/// rest of what the server holds (the probe takes the pool's last pages),
+/// at three sizes a page apart. Each pairing is its own control: the first
+/// canary set comes twice, and outputs are compared only when those two
+/// rounds agree; on a server shown `stable` under load each is also
+/// compared with the probe's answer alone.
+async fn side_by_side(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    hold: usize,
+    stable: bool,
+    found: &mut Found,
+) -> Result<(), Stop> {
+    // The probe's prompt of the victim's shape carries a made-up secret of
+    // its own: same words, same length, another order.
+    let own = texts.canary();
+    let short = texts.words(12);
+    let mut pairings = vec![("same-length victim", 40usize, victim_prompt(&own, 40))];
+    for rest in [24, 40, 56] {
+        pairings.push((
+            "pool-filling victim",
+            hold.saturating_sub(rest),
+            short.clone(),
+        ));
+    }
+    let mut alone: Vec<(String, Completion)> = Vec::new();
+    for (shape, tokens, probe) in pairings {
+        if !alone.iter().any(|(p, _)| *p == probe) {
+            let answer = ok_or_stop(client.complete(keys.probe, &probe, 16).await)?;
+            alone.push((probe.clone(), answer));
+        }
+        let reference = alone.iter().find(|(p, _)| *p == probe).map(|(_, a)| a);
+        let sets: Vec<String> = (0..3).map(|_| texts.canary()).collect();
+        let mut rounds: Vec<(usize, Completion)> = Vec::new();
+        for &set in &SIDE_BY_SIDE_ROUNDS {
+            let (v, p) = futures_util::future::join(
+                client.complete(keys.victim, &victim_prompt(&sets[set], tokens), 4),
+                after(20, client.complete(keys.probe, &probe, 16)),
+            )
+            .await;
+            ok_or_stop(v)?;
+            rounds.push((set, ok_or_stop(p)?));
+        }
+        let pattern = Controlled {
+            probe: "side-by-side probe",
+            shape,
+            mode: "side by side",
+            alone: reference.filter(|_| stable),
+        };
+        judge_controlled(found, &pattern, &sets, &rounds);
+    }
+    Ok(())
+}
+
+/// A long victim whose client abandons it mid-request (at a quarter and
+/// at half of its time alone, and early while it waits behind another long
+/// prompt) while the long-answer probe decodes: the
+/// victim's pages go back to the pool while its prefill, or the transfer of
+/// its KV, may still be under way, and the probe's next pages come from the
+/// pool. A server that lets the abandoned request's late KV land, or lets
+/// it go on writing through its old block table, writes the victim's KV
+/// into the probe's pages. Rounds as side by side, with their own control
+/// and the probe's answer alone.
+async fn abandoned_beside_answer(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    probe: &Probe,
+    hold: usize,
+    stable: bool,
+    found: &mut Found,
+) -> Result<(), Stop> {
+    let alone = ok_or_stop(
+        client
+            .complete(keys.probe, &probe.prompt, probe.max_tokens)
+            .await,
+    )?;
+    let tokens = hold * 3 / 5;
+    let took = victim(client, keys, &texts.canary(), "long victim", tokens, found).await?;
+    // The same filler in every round: only the abandoned victim's canary
+    // changes.
+    let filler = victim_prompt(&texts.canary(), tokens);
+    for (shape, share, queued) in [
+        ("long victim abandoned at a quarter", 4, false),
+        ("long victim abandoned at half", 2, false),
+        ("long victim abandoned while queued behind another", 8, true),
+    ] {
+        let sets: Vec<String> = (0..3).map(|_| texts.canary()).collect();
+        let mut rounds: Vec<(usize, Completion)> = Vec::new();
+        for &set in &SIDE_BY_SIDE_ROUNDS {
+            let prompt = victim_prompt(&sets[set], tokens);
+            let (answer, abandoned, filled) = futures_util::future::join3(
+                client.complete(keys.probe, &probe.prompt, probe.max_tokens),
+                after(
+                    if queued { 240 } else { 200 },
+                    client.abandon(keys.victim, &prompt, 16, took / share),
+                ),
+                async {
+                    if !queued {
+                        return None;
+                    }
+                    Some(after(200, client.complete(keys.victim, &filler, 1)).await)
+                },
+            )
+            .await;
+            abandoned?;
+            if let Some(f) = filled {
+                ok_or_stop(f)?;
+            }
+            rounds.push((set, ok_or_stop(answer)?));
+        }
+        let pattern = Controlled {
+            probe: probe.name,
+            shape,
+            mode: "beside an abandoned request",
+            alone: Some(&alone).filter(|_| stable),
+        };
+        judge_controlled(found, &pattern, &sets, &rounds);
+    }
+    Ok(())
+}
+
+/// A pattern run in [`SIDE_BY_SIDE_ROUNDS`] order.
+struct Controlled<'a> {
+    probe: &'a str,
+    shape: &'a str,
+    mode: &'a str,
+    /// The probe's answer with nothing else in flight, on a server whose
+    /// outputs do not change under load (the concurrent control rounds):
+    /// every round must answer the same.
+    alone: Option<&'a Completion>,
+}
+
+/// The findings of a pattern run in [`SIDE_BY_SIDE_ROUNDS`] order (`rounds`
+/// holds each round's canary set and the probe's output): quoted canaries
+/// always; on a deterministic server, a round that answers otherwise than
+/// the probe alone, or outputs changed with the canary when the two rounds
+/// of the first set agree.
+fn judge_controlled(
+    found: &mut Found,
+    pattern: &Controlled<'_>,
+    sets: &[String],
+    rounds: &[(usize, Completion)],
+) {
+    let &Controlled {
+        probe, shape, mode, ..
+    } = pattern;
+    found.noninterference_pairs += 1;
+    let quotes: Vec<(String, Completion)> = rounds
+        .iter()
+        .map(|(set, o)| (sets[*set].clone(), o.clone()))
+        .collect();
+    if quoted(found, probe, shape, mode, &quotes) {
+        return;
+    }
+    let deterministic = found.determinism.deterministic;
+    if let Some(alone) = pattern.alone.filter(|a| deterministic && a.served_text()) {
+        let differ: Vec<&(String, Completion)> = quotes
+            .iter()
+            .filter(|(_, o)| o.served_text() && o.text != alone.text)
+            .collect();
+        if !differ.is_empty() {
+            found.findings.push(Finding {
+                rule: Rule::OutputDependsOnOtherRequest,
+                message: format!(
+                    "the {probe}'s greedy output ({mode}, with a {shape}) differs from its answer \
+                     alone in {} of {} rounds, on a server whose outputs do not change under load \
+                     otherwise",
+                    differ.len(),
+                    quotes.len()
+                ),
+                evidence: serde_json::json!({
+                    "probe": probe, "victim": shape, "mode": mode,
+                    "canaries": differ.iter().map(|(c, _)| c).collect::<Vec<_>>(),
+                    "output_hashes": differ.iter().map(|(_, o)| hash(&o.text)).collect::<Vec<_>>(),
+                    "alone_output_hash": hash(&alone.text),
+                }),
+            });
+            return;
+        }
+    }
+    let controls_agree = rounds[0].1.text == rounds[2].1.text;
+    if found.determinism.deterministic && !controls_agree {
+        found.notes.push(format!(
+            "{mode}, with a {shape}, the {probe}'s output changed between identical rounds: \
+             not compared"
+        ));
+    }
+    let outs: Vec<(String, Completion)> = [0, 1, 3]
+        .iter()
+        .map(|&r| (sets[rounds[r].0].clone(), rounds[r].1.clone()))
+        .collect();
+    let compare = found.determinism.deterministic && controls_agree;
+    judge(found, probe, shape, mode, &outs, compare);
 }
 
 /// A probe's answer against the other key's fresh answer to the same
@@ -598,6 +813,12 @@ fn fresh_pair(
             }),
         });
     }
+}
+
+/// `request`, sent `ms` milliseconds from now.
+async fn after<F: std::future::Future>(ms: u64, request: F) -> F::Output {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    request.await
 }
 
 /// A finding when a probe output quotes a canary (or its first half) of
