@@ -597,29 +597,32 @@ async fn side_by_side(
 ) -> Result<(), Stop> {
     // The probe's prompt of the victim's shape carries a made-up secret of
     // its own: same words, same length, another order.
-    let own = texts.canary();
+    let same = victim_prompt(&texts.canary(), 40);
     let short = texts.words(12);
-    let mut pairings = vec![("same-length victim", 40usize, victim_prompt(&own, 40))];
+    let same_alone = ok_or_stop(client.complete(keys.probe, &same, 16).await)?;
+    let short_alone = ok_or_stop(client.complete(keys.probe, &short, 16).await)?;
+    let mut pairings = vec![(
+        "same-length victim".to_string(),
+        40usize,
+        &same,
+        &same_alone,
+    )];
     for rest in [24, 40, 56] {
+        let tokens = hold.saturating_sub(rest);
         pairings.push((
-            "pool-filling victim",
-            hold.saturating_sub(rest),
-            short.clone(),
+            format!("pool-filling victim of about {tokens} tokens"),
+            tokens,
+            &short,
+            &short_alone,
         ));
     }
-    let mut alone: Vec<(String, Completion)> = Vec::new();
-    for (shape, tokens, probe) in pairings {
-        if !alone.iter().any(|(p, _)| *p == probe) {
-            let answer = ok_or_stop(client.complete(keys.probe, &probe, 16).await)?;
-            alone.push((probe.clone(), answer));
-        }
-        let reference = alone.iter().find(|(p, _)| *p == probe).map(|(_, a)| a);
+    for (shape, tokens, probe, alone) in pairings {
         let sets: Vec<String> = (0..3).map(|_| texts.canary()).collect();
         let mut rounds: Vec<(usize, Completion)> = Vec::new();
         for &set in &SIDE_BY_SIDE_ROUNDS {
             let (v, p) = futures_util::future::join(
                 client.complete(keys.victim, &victim_prompt(&sets[set], tokens), 4),
-                after(20, client.complete(keys.probe, &probe, 16)),
+                after(20, client.complete(keys.probe, probe, 16)),
             )
             .await;
             ok_or_stop(v)?;
@@ -627,9 +630,9 @@ async fn side_by_side(
         }
         let pattern = Controlled {
             probe: "side-by-side probe",
-            shape,
+            shape: &shape,
             mode: "side by side",
-            alone: reference.filter(|_| stable),
+            alone: Some(alone).filter(|_| stable),
         };
         judge_controlled(found, &pattern, &sets, &rounds);
     }
@@ -764,7 +767,7 @@ fn judge_controlled(
         }
     }
     let controls_agree = rounds[0].1.text == rounds[2].1.text;
-    if found.determinism.deterministic && !controls_agree {
+    if deterministic && !controls_agree {
         found.notes.push(format!(
             "{mode}, with a {shape}, the {probe}'s output changed between identical rounds: \
              not compared"
@@ -774,8 +777,14 @@ fn judge_controlled(
         .iter()
         .map(|&r| (sets[rounds[r].0].clone(), rounds[r].1.clone()))
         .collect();
-    let compare = found.determinism.deterministic && controls_agree;
-    judge(found, probe, shape, mode, &outs, compare);
+    judge(
+        found,
+        probe,
+        shape,
+        mode,
+        &outs,
+        deterministic && controls_agree,
+    );
 }
 
 /// A probe's answer against the other key's fresh answer to the same
