@@ -164,6 +164,10 @@ fn a_server_without_a_fault_is_clean() {
         "max_model_len is the served context"
     );
     assert_eq!(report["determinism"]["deterministic"], true, "{report:#}");
+    assert_eq!(
+        report["determinism"]["deterministic_one_at_a_time"], true,
+        "{report:#}"
+    );
     assert!(
         report["noninterference_pairs"].as_u64().unwrap() >= 20,
         "{report:#}"

@@ -81,7 +81,36 @@ pub struct Determinism {
     pub requests: usize,
     /// Distinct outputs among the identical requests.
     pub distinct_outputs: usize,
+    /// Every identical request answered alike, one at a time and at once.
     pub deterministic: bool,
+    /// The identical requests sent one after another answered alike: the
+    /// comparisons of requests sent one at a time count even on a server
+    /// whose outputs change with what else it batches.
+    pub deterministic_one_at_a_time: bool,
+}
+
+impl Determinism {
+    /// What `sequential` (sent one after another) and `concurrent` (sent
+    /// at once) answers to one greedy request say.
+    fn of(sequential: &[Completion], concurrent: &[Completion]) -> Self {
+        let agree = |outs: &[&Completion]| {
+            let mut distinct: Vec<&str> = outs.iter().map(|c| c.text.as_str()).collect();
+            distinct.sort_unstable();
+            distinct.dedup();
+            distinct.len()
+        };
+        let all: Vec<&Completion> = sequential.iter().chain(concurrent).collect();
+        let served: Vec<&Completion> = all.iter().copied().filter(|c| c.served_text()).collect();
+        let one_at_a_time: Vec<&Completion> =
+            sequential.iter().filter(|c| c.served_text()).collect();
+        let distinct = agree(&served);
+        Determinism {
+            requests: all.len(),
+            distinct_outputs: distinct,
+            deterministic: !served.is_empty() && distinct == 1,
+            deterministic_one_at_a_time: !one_at_a_time.is_empty() && agree(&one_at_a_time) == 1,
+        }
+    }
 }
 
 /// One limit probe.
@@ -206,30 +235,25 @@ pub async fn determinism(
     found: &mut Found,
 ) -> Result<(), Stop> {
     let prompt = texts.words(40);
-    let mut outputs = Vec::new();
+    let mut sequential = Vec::new();
     for _ in 0..3 {
-        outputs.push(ok_or_stop(client.complete(keys.victim, &prompt, 12).await)?);
+        sequential.push(ok_or_stop(client.complete(keys.victim, &prompt, 12).await)?);
     }
-    let concurrent = futures_util::future::join_all(
+    let mut concurrent = Vec::new();
+    for c in futures_util::future::join_all(
         (0..concurrency).map(|_| client.complete(keys.victim, &prompt, 12)),
     )
-    .await;
-    for c in concurrent {
-        outputs.push(ok_or_stop(c)?);
+    .await
+    {
+        concurrent.push(ok_or_stop(c)?);
     }
-    let served: Vec<&Completion> = outputs.iter().filter(|c| c.served_text()).collect();
-    let mut distinct: Vec<&str> = served.iter().map(|c| c.text.as_str()).collect();
-    distinct.sort_unstable();
-    distinct.dedup();
-    found.determinism = Determinism {
-        requests: outputs.len(),
-        distinct_outputs: distinct.len(),
-        deterministic: !served.is_empty() && distinct.len() == 1,
-    };
-    if served.len() < outputs.len() {
+    found.determinism = Determinism::of(&sequential, &concurrent);
+    let outputs: Vec<&Completion> = sequential.iter().chain(&concurrent).collect();
+    let served = outputs.iter().filter(|c| c.served_text()).count();
+    if served < outputs.len() {
         found.notes.push(format!(
             "determinism: {} of {} identical requests were not answered with text (status {})",
-            outputs.len() - served.len(),
+            outputs.len() - served,
             outputs.len(),
             outputs
                 .iter()
@@ -237,13 +261,25 @@ pub async fn determinism(
                 .map_or(0, |c| c.status)
         ));
     }
-    if !found.determinism.deterministic {
-        found.notes.push(format!(
-            "the server is not deterministic: {} identical greedy requests gave {} distinct outputs; \
-             output comparisons are skipped and only quoted canaries count",
-            outputs.len(),
-            distinct.len()
-        ));
+    let d = &found.determinism;
+    if !d.deterministic {
+        found.notes.push(if d.deterministic_one_at_a_time {
+            format!(
+                "the server is not deterministic with other requests in flight: {} identical greedy \
+                 requests gave {} distinct outputs, the {} sent one at a time one; comparisons of \
+                 requests sent one at a time count, the others are skipped and only quoted canaries \
+                 count there",
+                d.requests,
+                d.distinct_outputs,
+                sequential.len()
+            )
+        } else {
+            format!(
+                "the server is not deterministic: {} identical greedy requests gave {} distinct \
+                 outputs; output comparisons are skipped and only quoted canaries count",
+                d.requests, d.distinct_outputs
+            )
+        });
     }
     Ok(())
 }
@@ -274,7 +310,7 @@ fn words_for(texts: &mut Texts, tokens: usize) -> String {
 /// client abandoned it mid-request; a prompt sent twice at once; a request
 /// extending a probe's prompt while the probe answers; a probe going on
 /// beside a victim that has just left; a victim abandoned while a probe
-/// answers.
+/// answers; a probe arriving just after a waiting victim was abandoned.
 pub async fn noninterference(
     client: &Client,
     keys: &Keys<'_>,
@@ -317,7 +353,8 @@ pub async fn noninterference(
         ("long victim", hold * 3 / 5),
         ("near-limit victim", hold * 9 / 10),
     ];
-    let deterministic = found.determinism.deterministic;
+    // Victims and probes one at a time.
+    let deterministic = found.determinism.deterministic_one_at_a_time;
     for probe in &probes {
         for (shape, tokens) in shapes {
             let mut outs: Vec<(String, Completion)> = Vec::new();
@@ -341,7 +378,8 @@ pub async fn noninterference(
     }
     extended_while_answering(client, keys, texts, &probes[2], stable, found).await?;
     side_by_side(client, keys, texts, hold, stable, found).await?;
-    abandoned_beside_answer(client, keys, texts, &probes[2], hold, stable, found).await
+    abandoned_beside_answer(client, keys, texts, &probes[2], hold, stable, found).await?;
+    abandoned_then_taken(client, keys, texts, hold, stable, found).await
 }
 
 /// One victim request carrying `canary`, `tokens` long: the time it took.
@@ -700,6 +738,69 @@ async fn abandoned_beside_answer(
             probe: probe.name,
             shape,
             mode: "beside an abandoned request",
+            alone: Some(&alone).filter(|_| stable),
+        };
+        judge_controlled(found, &pattern, &sets, &rounds);
+    }
+    Ok(())
+}
+
+/// A victim abandoned while it waits behind another prompt, and the next
+/// request to come, the probe's, longer than the victim's: the victim's
+/// pages go back to the pool while its prefill is still to come, and the
+/// probe's prompt takes them, page for page. A server that goes on with
+/// the abandoned request when its prefill ends (its completion taken for a
+/// live one's) decodes it through its old block table: the victim's first
+/// answer tokens write their KV into the last page of the victim's prompt,
+/// which the probe's prompt fills by then. Only the victim's writes that
+/// come after the probe's KV show, and how many there are depends on where
+/// the victim's prompt ends in its page: three victims about a third of a
+/// page apart, each with a probe some two pages longer, each in rounds as
+/// side by side. The waiting is made with a filler prompt of the victim's key,
+/// fresh in every round (a cached one would keep nothing waiting).
+async fn abandoned_then_taken(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    hold: usize,
+    stable: bool,
+    found: &mut Found,
+) -> Result<(), Stop> {
+    let fill = hold / 4;
+    // The filler's time alone: the victim is abandoned well before the
+    // filler's prefill is done.
+    let start = std::time::Instant::now();
+    ok_or_stop(
+        client
+            .complete(keys.victim, &victim_prompt(&texts.canary(), fill), 1)
+            .await,
+    )?;
+    let wait = (start.elapsed() / 5).max(Duration::from_millis(30));
+    for victim_tokens in [40, 46, 52] {
+        // The probe's prompt carries a made-up secret of its own.
+        let probe = victim_prompt(&texts.canary(), victim_tokens + 32);
+        let alone = ok_or_stop(client.complete(keys.probe, &probe, 16).await)?;
+        let sets: Vec<String> = (0..3).map(|_| texts.canary()).collect();
+        let mut rounds: Vec<(usize, Completion)> = Vec::new();
+        for &set in &SIDE_BY_SIDE_ROUNDS {
+            let filler = victim_prompt(&texts.canary(), fill);
+            let prompt = victim_prompt(&sets[set], victim_tokens);
+            let (filled, answer) = futures_util::future::join(
+                client.complete(keys.victim, &filler, 1),
+                after(20, async {
+                    client.abandon(keys.victim, &prompt, 32, wait).await?;
+                    Ok(client.complete(keys.probe, &probe, 16).await)
+                }),
+            )
+            .await;
+            ok_or_stop(filled)?;
+            rounds.push((set, ok_or_stop(answer?)?));
+        }
+        let shape = format!("victim of about {victim_tokens} tokens abandoned while queued");
+        let pattern = Controlled {
+            probe: "next arriving probe",
+            shape: &shape,
+            mode: "after an abandoned request",
             alone: Some(&alone).filter(|_| stable),
         };
         judge_controlled(found, &pattern, &sets, &rounds);
@@ -1153,6 +1254,22 @@ mod tests {
                 ..Completion::default()
             },
         )
+    }
+
+    #[test]
+    fn a_server_that_differs_only_under_load_is_deterministic_one_at_a_time() {
+        let answers =
+            |texts: &[&str]| -> Vec<Completion> { texts.iter().map(|t| out("", t).1).collect() };
+        let alike = Determinism::of(&answers(&["a", "a", "a"]), &answers(&["a", "a"]));
+        assert!(alike.deterministic && alike.deterministic_one_at_a_time);
+        assert_eq!((alike.requests, alike.distinct_outputs), (5, 1));
+        let under_load = Determinism::of(&answers(&["a", "a", "a"]), &answers(&["a", "b"]));
+        assert!(!under_load.deterministic && under_load.deterministic_one_at_a_time);
+        assert_eq!(under_load.distinct_outputs, 2);
+        let never = Determinism::of(&answers(&["a", "b", "a"]), &answers(&["a", "a"]));
+        assert!(!never.deterministic && !never.deterministic_one_at_a_time);
+        let refused = Determinism::of(&[Completion::default()], &[]);
+        assert!(!refused.deterministic && !refused.deterministic_one_at_a_time);
     }
 
     #[test]

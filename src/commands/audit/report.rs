@@ -54,6 +54,8 @@ impl Report {
             d.distinct_outputs,
             if d.deterministic {
                 "deterministic"
+            } else if d.deterministic_one_at_a_time {
+                "NOT deterministic with other requests in flight (one at a time: deterministic)"
             } else {
                 "NOT deterministic"
             }
@@ -141,6 +143,7 @@ impl Report {
                     "model": self.model,
                     "requests_sent": self.requests_sent,
                     "deterministic": self.found.determinism.deterministic,
+                    "deterministic_one_at_a_time": self.found.determinism.deterministic_one_at_a_time,
                 },
             }],
         })
