@@ -64,7 +64,7 @@ pub struct Args {
     #[arg(long, value_name = "TOKENS")]
     pub pool_limit: Option<usize>,
     /// Requests the audit may send at most.
-    #[arg(long, value_name = "REQUESTS", default_value_t = 300)]
+    #[arg(long, value_name = "REQUESTS", default_value_t = 350)]
     pub budget: usize,
     /// Identical requests sent at once in the determinism phase.
     #[arg(long, default_value_t = 3)]

@@ -266,7 +266,7 @@ pub async fn determinism(
         found.notes.push(if d.deterministic_one_at_a_time {
             format!(
                 "the server is not deterministic with other requests in flight: {} identical greedy \
-                 requests gave {} distinct outputs, the {} sent one at a time one; comparisons of \
+                 requests gave {} distinct outputs, the {} sent one at a time agreed; comparisons of \
                  requests sent one at a time count, the others are skipped and only quoted canaries \
                  count there",
                 d.requests,
