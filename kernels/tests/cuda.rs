@@ -27,8 +27,8 @@ use kvsan_kernels::attention::{KvBatch, KvGeometry, StoreSlot};
 use kvsan_kernels::cuda::result::{driver_present, nvrtc_present};
 use kvsan_kernels::cuda::{
     CompileTarget, CudaError, CudaKernelShadow, CudaKernels, CudaKvPool, CudaRefusal, CudaSource,
-    ImageKind, POISON_F16_BITS, ReadCheck, SOURCES, StoreCheck, compile, cuda_available,
-    nvrtc_version, supported_archs,
+    EngineBatch, EngineRefusal, ImageKind, POISON_F16_BITS, ReadCheck, SOURCES, StoreCheck,
+    compile, cuda_available, nvrtc_version, supported_archs,
 };
 use kvsan_kernels::error::KernelError;
 use kvsan_kernels::guard::{Access, Reason, Refusal};
@@ -1656,4 +1656,144 @@ fn pool_round_trips_pages_and_generations() {
         pool.upload_pages(PageId(5), &host[..2 * geometry.page_elems()]),
         Err(CudaError::OutOfRange { .. })
     ));
+}
+
+/// Device buffers on the kernels' device, as an engine holds its own.
+fn device_buffer<T: cudarc::driver::DeviceRepr>(
+    kernels: &CudaKernels,
+    host: &[T],
+) -> cudarc::driver::CudaSlice<T> {
+    let ctx = cudarc::driver::CudaContext::new(kernels.ordinal()).expect("context");
+    ctx.default_stream()
+        .clone_htod(host)
+        .expect("copy to the device")
+}
+
+#[test]
+#[ignore = "requires CUDA"]
+fn the_check_kernels_refuse_an_engines_wrong_row_length_and_slot_as_the_host_does() {
+    let geometry = KvGeometry {
+        page_slots: 16,
+        n_layers: 2,
+        n_kv_heads: 1,
+        head_dim: 8,
+    };
+    let world = World::new(geometry, 6);
+    world.alloc_written(0, 1, 0..16);
+    world.alloc_written(1, 1, 0..5);
+    world.alloc_written(2, 2, 0..16);
+    let gone = world.alloc_written(3, 3, 0..16);
+    world.free(gone, 3);
+    let kernels = kernels();
+    let mut shadow = kernels
+        .upload_shadow(&world.shadow())
+        .expect("upload the shadow");
+    let owners = [RequestId(1), RequestId(2)];
+    let host_owners = [owner(1), owner(2)];
+    let kinds = |found: &[EngineRefusal]| -> Vec<(usize, Option<ViolationKind>)> {
+        found.iter().map(|r| (r.row, r.kind())).collect()
+    };
+    let host_kinds =
+        |verdicts: Vec<kvsan_sanitizer::Verdict>| -> Vec<(usize, Option<ViolationKind>)> {
+            verdicts
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_continue())
+                .map(|(row, v)| (row, v.kind()))
+                .collect()
+        };
+
+    // Block table: legal, then row 1 pointed at request 1's page, then a
+    // length one token past what request 1 wrote.
+    let seq_lens = device_buffer(&kernels, &[21i32, 16]);
+    let longer = device_buffer(&kernels, &[22i32, 16]);
+    for (table, lens, expected) in [
+        (vec![0i32, 1, 2, 0], &seq_lens, vec![]),
+        (
+            vec![0, 1, 0, 0],
+            &seq_lens,
+            vec![(1, Some(ViolationKind::ForeignRead))],
+        ),
+        (
+            vec![0, 1, 2, 0],
+            &longer,
+            vec![(0, Some(ViolationKind::StaleRead))],
+        ),
+    ] {
+        let buffer = device_buffer(&kernels, &table);
+        let batch = EngineBatch::BlockTable {
+            block_table: buffer.as_view(),
+            row_stride: 2,
+            seq_lens: lens.as_view(),
+        };
+        let found = kernels
+            .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+            .expect("check");
+        assert_eq!(kinds(&found), expected, "table {table:?}");
+        let host_lens = kernels_host_lens(lens);
+        let verdicts = world
+            .san
+            .check_block_table(world.pool, &host_owners, &table, 2, &host_lens, 0..2, 1)
+            .expect("host check");
+        assert_eq!(host_kinds(verdicts), expected, "host, table {table:?}");
+    }
+
+    // Paged CSR and a token table with row 1 given request 1's pages.
+    let indptr = device_buffer(&kernels, &[0i32, 2, 3]);
+    let indices = device_buffer(&kernels, &[0i32, 1, 1]);
+    let last = device_buffer(&kernels, &[5i32, 5]);
+    let batch = EngineBatch::PagedCsr {
+        indptr: indptr.as_view(),
+        indices: indices.as_view(),
+        last_page_len: last.as_view(),
+    };
+    let found = kernels
+        .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+        .expect("check");
+    assert_eq!(kinds(&found), [(1, Some(ViolationKind::ForeignRead))]);
+    let table: Vec<i32> = (0..21).chain(32..48).collect();
+    let req_to_token = device_buffer(&kernels, &table);
+    let reqs = device_buffer(&kernels, &[0i32, 0]);
+    let batch = EngineBatch::ReqToToken {
+        req_to_token: req_to_token.as_view(),
+        row_stride: 21,
+        req_indices: reqs.as_view(),
+        seq_lens: seq_lens.as_view(),
+    };
+    let found = kernels
+        .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+        .expect("check");
+    assert_eq!(kinds(&found), [(1, Some(ViolationKind::ForeignRead))]);
+
+    // Store slots: row 1's second token into request 1's page is refused;
+    // the slots let through before it are marked written on the device.
+    let starts = device_buffer(&kernels, &[0i32, 1, 3]);
+    let slots = device_buffer(&kernels, &[5i64, 40, 6]);
+    let batch = EngineBatch::SlotMapping {
+        query_start_loc: starts.as_view(),
+        slot_mapping: slots.as_view(),
+        record: true,
+    };
+    let found = kernels
+        .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+        .expect("check");
+    assert_eq!(kinds(&found), [(1, Some(ViolationKind::ForeignWrite))]);
+    assert_eq!(found[0].index, Some(2));
+    // Page 0 (request 1, row 0's slot 5: already written); page 2 slot 8
+    // (row 1's first token) now written for both layers.
+    let page2 = shadow.page_bits(PageId(2)).expect("page 2 bits");
+    assert_eq!(page2[0] & (1 << 8 | 1 << 24), 1 << 8 | 1 << 24);
+    let verdicts = world
+        .san
+        .check_slot_mapping(world.pool, &host_owners, &[0, 1, 3], &[5, 40, 6], 0..2, 1)
+        .expect("host check");
+    assert_eq!(
+        host_kinds(verdicts),
+        [(1, Some(ViolationKind::ForeignWrite))]
+    );
+}
+
+/// A small device buffer back on the host.
+fn kernels_host_lens(lens: &cudarc::driver::CudaSlice<i32>) -> Vec<i32> {
+    lens.stream().clone_dtoh(lens).expect("copy to the host")
 }

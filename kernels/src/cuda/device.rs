@@ -2,18 +2,23 @@
 //! safe entry points that check every input before a launch.
 
 use std::collections::HashSet;
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use half::f16;
-use kvsan_ids::{Generation, PageId};
+use kvsan_ids::{Generation, PageId, RequestId};
 use kvsan_sanitizer::KernelShadow;
 
 use super::CudaRefusal;
 use super::batch::{
-    DecodeOutput, Op, ReadCheck, StoreCheck, decode_arrays, decode_refusals, owner_words,
+    self, DecodeOutput, Op, ReadCheck, StoreCheck, decode_arrays, decode_refusals, owner_words,
     refuse_all, store_arrays,
+};
+use super::check::{
+    CheckLaunch, EngineBatch, EngineLayout, EngineRefusal, decode_engine_refusals, launch_check,
+    may_record,
 };
 use super::error::CudaError;
 use super::pool::{CudaKvPool, page_elems};
@@ -23,8 +28,9 @@ use super::result::{
 };
 use super::shadow::{CudaKernelShadow, host_words, shadow_words};
 use super::source::{
-    COPY_KERNEL, CudaSource, DECODE_KERNEL, MAX_HEAD_DIM, MODE_BOUNDS, MODE_GENERATIONS,
-    MODE_SHADOW, PAGED_ATTENTION, PAGES, POISON_KERNEL, REFUSAL_WORDS, SHADOW,
+    CHECK, CHECK_BLOCK_TABLE_KERNEL, CHECK_PAGED_CSR_KERNEL, CHECK_REQ_TO_TOKEN_KERNEL,
+    CHECK_SLOT_MAPPING_KERNEL, COPY_KERNEL, CudaSource, DECODE_KERNEL, MAX_HEAD_DIM, MODE_BOUNDS,
+    MODE_GENERATIONS, MODE_SHADOW, PAGED_ATTENTION, PAGES, POISON_KERNEL, REFUSAL_WORDS, SHADOW,
     SHADOW_GATHER_KERNEL, SHADOW_SCATTER_KERNEL, STORE_KERNEL,
 };
 use crate::attention::{KvBatch, KvGeometry};
@@ -50,6 +56,10 @@ pub struct CudaKernels {
     copy: CudaFunction,
     scatter: CudaFunction,
     gather: CudaFunction,
+    check_block_table: CudaFunction,
+    check_paged_csr: CudaFunction,
+    check_req_to_token: CudaFunction,
+    check_slot_mapping: CudaFunction,
 }
 
 impl CudaKernels {
@@ -81,6 +91,7 @@ impl CudaKernels {
         let attention = load(&ctx, &PAGED_ATTENTION, target)?;
         let pages = load(&ctx, &PAGES, target)?;
         let shadow = load(&ctx, &SHADOW, target)?;
+        let check = load(&ctx, &CHECK, target)?;
         let kernels = CudaKernels {
             stream: ctx.default_stream(),
             target,
@@ -91,6 +102,10 @@ impl CudaKernels {
             copy: function(&pages, COPY_KERNEL)?,
             scatter: function(&shadow, SHADOW_SCATTER_KERNEL)?,
             gather: function(&shadow, SHADOW_GATHER_KERNEL)?,
+            check_block_table: function(&check, CHECK_BLOCK_TABLE_KERNEL)?,
+            check_paged_csr: function(&check, CHECK_PAGED_CSR_KERNEL)?,
+            check_req_to_token: function(&check, CHECK_REQ_TO_TOKEN_KERNEL)?,
+            check_slot_mapping: function(&check, CHECK_SLOT_MAPPING_KERNEL)?,
         };
         kernels.finish("load the kernels")?;
         Ok(kernels)
@@ -589,6 +604,106 @@ impl CudaKernels {
             )
         }?;
         self.finish("copy pages")
+    }
+
+    /// Checks an engine's own kernel arguments — the device buffers it is
+    /// about to hand its attention or store kernel — against the device
+    /// shadow, one row per entry of `owners` (the request of each row), for
+    /// `layers` (see [`EngineBatch`] for the layouts and the rules). Launch
+    /// it on the engine's device just before the engine's kernel, with the
+    /// shadow uploaded after the last hook that changed it; it waits for
+    /// the check to finish. Comes back
+    /// with one [`EngineRefusal`] per refused row, by row (an empty list:
+    /// every access may be made). With [`EngineBatch::SlotMapping`]'s
+    /// `record`, the slots it let through are marked written in the device
+    /// shadow.
+    ///
+    /// # Errors
+    /// Per-row buffers without one entry per row (offsets: one more),
+    /// layers empty or outside the shadow's, a shadow on another device,
+    /// more rows than one launch takes, or a CUDA failure. A refused row is
+    /// not an error.
+    pub fn check_engine_batch(
+        &self,
+        shadow: &mut CudaKernelShadow,
+        owners: &[RequestId],
+        batch: &EngineBatch<'_>,
+        layers: Range<u32>,
+    ) -> Result<Vec<EngineRefusal>, CudaError> {
+        if shadow.ordinal() != self.ordinal() {
+            return Err(CudaError::WrongDevice {
+                pool_device: shadow.ordinal(),
+                kernels_device: self.ordinal(),
+            });
+        }
+        self.finish("an earlier operation")?;
+        let rows = owners.len();
+        batch.check_rows(rows)?;
+        let shadow_layers = shadow.layout.layers;
+        if layers.is_empty() || layers.end > shadow_layers {
+            return Err(CudaError::OutOfRange {
+                what: "end of the checked layers (and above their start)",
+                value: layers.end as usize,
+                limit: shadow_layers as usize + 1,
+            });
+        }
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let n_rows = u32::try_from(rows)
+            .ok()
+            .filter(|&r| r as usize <= batch::MAX_ROWS)
+            .ok_or(CudaError::TooLarge {
+                what: "rows in one launch",
+                value: rows,
+                limit: batch::MAX_ROWS,
+            })?;
+        let owners = self.upload(&owner_words(owners, rows)?, "copy row owners to the device")?;
+        let mut refusals = self
+            .stream
+            .alloc_zeros::<u32>(REFUSAL_WORDS * rows)
+            .map_err(CudaError::driver("allocate the refusal records"))?;
+        let layout = batch.layout();
+        let func = match layout {
+            EngineLayout::BlockTable => &self.check_block_table,
+            EngineLayout::PagedCsr => &self.check_paged_csr,
+            EngineLayout::ReqToToken => &self.check_req_to_token,
+            EngineLayout::SlotMapping => &self.check_slot_mapping,
+        };
+        let record = matches!(batch, EngineBatch::SlotMapping { record: true, .. });
+        let mut found = Vec::new();
+        // A recording check looks first and records only if every row's
+        // buffers were usable (`may_record`).
+        for pass in [false, true] {
+            if pass && !(record && may_record(&found)) {
+                break;
+            }
+            if pass {
+                self.stream
+                    .memset_zeros(&mut refusals)
+                    .map_err(CudaError::driver("clear the refusal records"))?;
+            }
+            let args = CheckLaunch {
+                func,
+                record: pass,
+                shadow: &mut *shadow,
+                owners: &owners,
+                rows: n_rows,
+                layers: layers.clone(),
+                batch,
+            };
+            // SAFETY: rows >= 1; `check_rows` held every per-row buffer to
+            // its rows; `owners` holds one word per row and `refusals`
+            // REFUSAL_WORDS zeroed words per row; the layers are non-empty
+            // and end within the shadow's layout; the shadow is on this
+            // device, and the engine's buffers are views on it (the
+            // caller's).
+            unsafe { launch_check(&self.stream, args, &mut refusals) }?;
+            self.finish("check an engine's kernel arguments")?;
+            let records = self.download(&refusals, "copy the check records to the host")?;
+            found = decode_engine_refusals(&records, layout)?;
+        }
+        Ok(found)
     }
 
     fn check_layer(&self, geometry: &KvGeometry, layer: usize) -> Result<(), CudaError> {

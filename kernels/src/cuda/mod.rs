@@ -1,7 +1,8 @@
 //! CUDA kernels for the paged KV pool: the KV store and paged-attention
 //! decode over a whole batch, each checking every page it is about to touch
 //! in place (the CPU kernels' guard, on the device); page poison-fill; page
-//! copy (KV transfer); and the device copy of the sanitizer's kernel shadow.
+//! copy (KV transfer); the device copy of the sanitizer's kernel shadow; and
+//! checks over an engine's own kernel arguments.
 //! Compiled at run time with NVRTC for the device's compute capability;
 //! cudarc loads the driver and NVRTC dynamically, so this builds and its
 //! callers run (getting [`CudaError::DriverNotFound`]) on a machine without
@@ -15,9 +16,16 @@
 //!    |
 //!  result  compile, launch_*             one Result per NVRTC call / launch;
 //!    |                                   raw handles and unsafe launches here
-//!  source  paged_attention.cu, pages.cu, CUDA C, compiled by NVRTC
-//!          shadow.cu
+//!  source  shadow_check.cuh (the page     CUDA C, compiled by NVRTC
+//!          checks, prepended to the next
+//!          two), paged_attention.cu,
+//!          check.cu, pages.cu, shadow.cu
 //! ```
+//!
+//! `check.cu` ([`CudaKernels::check_engine_batch`]) checks the buffers an
+//! engine hands its own attention or store kernel — block table, paged
+//! CSR, token table, store slots — against the device shadow, as the
+//! sanitizer's host-side batch checks do (see [`EngineBatch`]).
 //!
 //! Device-side pool layout (the same as the CPU kernels'), f16 values:
 //!
@@ -87,6 +95,7 @@
 //! ```
 
 mod batch;
+mod check;
 mod device;
 mod error;
 mod pool;
@@ -95,6 +104,9 @@ mod shadow;
 pub mod source;
 
 pub use batch::{CudaRefusal, DecodeOutput, ReadCheck, StoreCheck};
+pub use check::{
+    EngineBatch, EngineFinding, EngineLayout, EngineRefusal, decode_engine_refusals, may_record,
+};
 pub use device::CudaKernels;
 pub use error::CudaError;
 pub use pool::CudaKvPool;

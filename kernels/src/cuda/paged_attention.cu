@@ -43,7 +43,8 @@
 //                            once the slot was written for the layer
 //     owners[row]            the request of the row
 //   exactly as kvsan-sanitizer's KernelShadow::check_read and
-//   KernelShadow::store decide, in the same order. The store kernel sets the
+//   KernelShadow::store decide, in the same order (the checks and the codes
+//   are in shadow_check.cuh, prepended to this source). The store kernel sets the
 //   written bit of each store it makes (atomicOr).
 //
 // A refused access is not made: no K/V byte of a refused decode row is
@@ -71,33 +72,6 @@
 #define KVSAN_WARPS (KVSAN_DECODE_THREADS / KVSAN_WARP)
 #define KVSAN_MAX_HEAD_DIM 256
 #define KVSAN_DIMS_PER_LANE (KVSAN_MAX_HEAD_DIM / KVSAN_WARP)
-#define KVSAN_NONE 0xffffffffu
-
-#define KVSAN_MODE_BOUNDS 0u
-#define KVSAN_MODE_GENERATIONS 1u
-#define KVSAN_MODE_SHADOW 2u
-
-#define KVSAN_REFUSAL_WORDS 8u
-#define KVSAN_REFUSED_NONE 0u
-#define KVSAN_REFUSED_OUTSIDE_TABLE 1u
-#define KVSAN_REFUSED_OUTSIDE_POOL 2u
-#define KVSAN_REFUSED_GENERATION_MISMATCH 3u
-#define KVSAN_REFUSED_READ_FREE_PAGE 4u
-#define KVSAN_REFUSED_READ_DURING_TRANSFER 5u
-#define KVSAN_REFUSED_FOREIGN_READ 6u
-#define KVSAN_REFUSED_ARBITRATE 7u
-#define KVSAN_REFUSED_TERMINAL 8u
-#define KVSAN_REFUSED_STALE_READ 9u
-#define KVSAN_REFUSED_WRITE_AFTER_FREE 10u
-#define KVSAN_REFUSED_FOREIGN_WRITE 11u
-
-#define KVSAN_GENERATION_MASK 0xffffffffull
-#define KVSAN_STATE_SHIFT 32
-#define KVSAN_STATE_OWNED 1u
-#define KVSAN_STATE_RECEIVING 2u
-#define KVSAN_FLAG_TERMINAL_OWNER (1ull << 35)
-#define KVSAN_FLAG_OWNER_RELEASED (1ull << 36)
-#define KVSAN_FLAG_SHARED (1ull << 37)
 
 __device__ __forceinline__ float kvsan_h2f(unsigned short h) {
     float f;
@@ -119,143 +93,6 @@ __device__ __forceinline__ float kvsan_round_f16(float f) {
 
 __device__ __forceinline__ float kvsan_neg_inf() {
     return __int_as_float(0xff800000);
-}
-
-// Bits lo .. hi of a word.
-__device__ __forceinline__ unsigned long long kvsan_range_mask(unsigned int lo, unsigned int hi) {
-    if (hi <= lo) {
-        return 0ull;
-    }
-    if (hi - lo == 64u) {
-        return ~0ull;
-    }
-    return ((1ull << (hi - lo)) - 1ull) << lo;
-}
-
-// The state a page's record is in, and whether it is free (free,
-// quarantined, allocating: nobody may touch it).
-__device__ __forceinline__ unsigned int kvsan_state(unsigned long long word) {
-    return (unsigned int)((word >> KVSAN_STATE_SHIFT) & 7ull);
-}
-
-__device__ __forceinline__ bool kvsan_state_is_free(unsigned int state) {
-    return state != KVSAN_STATE_OWNED && state != KVSAN_STATE_RECEIVING;
-}
-
-// Whether `who` is the holding owner of a page: its owner, not released.
-__device__ __forceinline__ bool kvsan_held_by(
-    unsigned long long word, unsigned long long owner, unsigned long long who)
-{
-    return (word & KVSAN_FLAG_OWNER_RELEASED) == 0ull && owner == who;
-}
-
-// Before `reader` reads slots 0 .. n_slots of `page` (below n_pages) for
-// `layer` through a PageRef of `generation`: KVSAN_REFUSED_NONE, or the
-// refusal. *current gets the page's generation (NONE unchecked), *slot the
-// first slot not written of a stale read (else NONE). Shadow order as
-// KernelShadow::check_read: generation, free, receiving, not the holding
-// owner (foreign, or arbitrate when shared), terminal owner, written bits.
-__device__ unsigned int kvsan_check_read(
-    unsigned int mode,
-    unsigned int page,
-    unsigned int generation,
-    unsigned int layer,
-    unsigned int page_slots,
-    unsigned int n_slots,
-    const unsigned int* __restrict__ generations,
-    const unsigned long long* __restrict__ records,
-    const unsigned long long* __restrict__ bits,
-    unsigned int stride,
-    unsigned long long reader,
-    unsigned int* current,
-    unsigned int* slot)
-{
-    *current = KVSAN_NONE;
-    *slot = KVSAN_NONE;
-    if (mode == KVSAN_MODE_GENERATIONS) {
-        *current = generations[page];
-        return *current == generation ? KVSAN_REFUSED_NONE : KVSAN_REFUSED_GENERATION_MISMATCH;
-    }
-    if (mode != KVSAN_MODE_SHADOW) {
-        return KVSAN_REFUSED_NONE;
-    }
-    const unsigned long long word = records[2ull * page];
-    const unsigned long long owner = records[2ull * page + 1ull];
-    const unsigned int state = kvsan_state(word);
-    *current = (unsigned int)(word & KVSAN_GENERATION_MASK);
-    if (*current != generation) {
-        return KVSAN_REFUSED_GENERATION_MISMATCH;
-    }
-    if (kvsan_state_is_free(state)) {
-        return KVSAN_REFUSED_READ_FREE_PAGE;
-    }
-    if (state == KVSAN_STATE_RECEIVING) {
-        return KVSAN_REFUSED_READ_DURING_TRANSFER;
-    }
-    if (!kvsan_held_by(word, owner, reader)) {
-        return (word & KVSAN_FLAG_SHARED) != 0ull ? KVSAN_REFUSED_ARBITRATE
-                                                   : KVSAN_REFUSED_FOREIGN_READ;
-    }
-    if ((word & KVSAN_FLAG_TERMINAL_OWNER) != 0ull) {
-        return KVSAN_REFUSED_TERMINAL;
-    }
-    // Layer-major packed bits: slots 0 .. n_slots of the layer are bits
-    // lo .. hi of the page's words (one word, or two when they straddle).
-    const unsigned long long lo = (unsigned long long)layer * page_slots;
-    const unsigned long long hi = lo + n_slots;
-    const unsigned long long* page_bits = bits + (unsigned long long)page * stride;
-    for (unsigned long long w = lo / 64ull; w * 64ull < hi; ++w) {
-        const unsigned long long base = w * 64ull;
-        const unsigned int a = lo > base ? (unsigned int)(lo - base) : 0u;
-        const unsigned int b = hi < base + 64ull ? (unsigned int)(hi - base) : 64u;
-        const unsigned long long missing = kvsan_range_mask(a, b) & ~page_bits[w];
-        if (missing != 0ull) {
-            *slot = (unsigned int)(base + (unsigned long long)(__ffsll((long long)missing) - 1) - lo);
-            return KVSAN_REFUSED_STALE_READ;
-        }
-    }
-    return KVSAN_REFUSED_NONE;
-}
-
-// Before `writer` stores into a slot of `page` (below n_pages) through a
-// PageRef of `generation`: KVSAN_REFUSED_NONE or the refusal; *current as
-// for reads. Shadow order as KernelShadow::store: generation, free
-// (write-after-free), not the holding owner or the page shared read-only
-// (foreign write: nobody writes a page the prefix cache or a request
-// shares, its owner included), terminal owner.
-__device__ unsigned int kvsan_check_store(
-    unsigned int mode,
-    unsigned int page,
-    unsigned int generation,
-    const unsigned int* __restrict__ generations,
-    const unsigned long long* __restrict__ records,
-    unsigned long long writer,
-    unsigned int* current)
-{
-    *current = KVSAN_NONE;
-    if (mode == KVSAN_MODE_GENERATIONS) {
-        *current = generations[page];
-        return *current == generation ? KVSAN_REFUSED_NONE : KVSAN_REFUSED_GENERATION_MISMATCH;
-    }
-    if (mode != KVSAN_MODE_SHADOW) {
-        return KVSAN_REFUSED_NONE;
-    }
-    const unsigned long long word = records[2ull * page];
-    const unsigned long long owner = records[2ull * page + 1ull];
-    *current = (unsigned int)(word & KVSAN_GENERATION_MASK);
-    if (*current != generation) {
-        return KVSAN_REFUSED_GENERATION_MISMATCH;
-    }
-    if (kvsan_state_is_free(kvsan_state(word))) {
-        return KVSAN_REFUSED_WRITE_AFTER_FREE;
-    }
-    if (!kvsan_held_by(word, owner, writer) || (word & KVSAN_FLAG_SHARED) != 0ull) {
-        return KVSAN_REFUSED_FOREIGN_WRITE;
-    }
-    if ((word & KVSAN_FLAG_TERMINAL_OWNER) != 0ull) {
-        return KVSAN_REFUSED_TERMINAL;
-    }
-    return KVSAN_REFUSED_NONE;
 }
 
 // One refused access, as the row's record holds it.
@@ -308,8 +145,9 @@ __device__ KvsanRefusal kvsan_check_entry(
         r.code = KVSAN_REFUSED_OUTSIDE_POOL;
         return r;
     }
-    r.code = kvsan_check_read(mode, r.page, r.generation, layer, page_slots, r.slots,
-                              generations, records, bits, stride, reader, &r.current, &r.slot);
+    r.code = kvsan_check_read_slots(mode, r.page, r.generation, layer, page_slots, 0u, r.slots,
+                                    generations, records, bits, stride, reader, &r.current,
+                                    &r.slot);
     return r;
 }
 

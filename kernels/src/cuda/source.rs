@@ -39,12 +39,46 @@ pub const SHADOW_SCATTER_KERNEL: &str = "kvsan_shadow_scatter";
 /// Name of the kernel reading listed pages' written words out of the device shadow.
 pub const SHADOW_GATHER_KERNEL: &str = "kvsan_shadow_gather_bits";
 
+/// Name of the check over a padded block table and `seq_lens`.
+pub const CHECK_BLOCK_TABLE_KERNEL: &str = "kvsan_check_block_table";
+/// Name of the check over pages in CSR form.
+pub const CHECK_PAGED_CSR_KERNEL: &str = "kvsan_check_paged_csr";
+/// Name of the check over a token-level table.
+pub const CHECK_REQ_TO_TOKEN_KERNEL: &str = "kvsan_check_req_to_token";
+/// Name of the check over a store kernel's slot mapping.
+pub const CHECK_SLOT_MAPPING_KERNEL: &str = "kvsan_check_slot_mapping";
+
+/// The page checks every checking source shares (codes, record layout,
+/// read and store checks), prepended to each.
+pub const SHADOW_CHECK_HEADER: &str = include_str!("shadow_check.cuh");
+
 /// The KV store and paged-attention decode over the batch arrays, each
 /// page checked in place before it is touched.
 pub const PAGED_ATTENTION: CudaSource = CudaSource {
     name: c"paged_attention.cu",
-    code: c_source(concat!(include_str!("paged_attention.cu"), "\0")),
+    code: c_source(concat!(
+        include_str!("shadow_check.cuh"),
+        include_str!("paged_attention.cu"),
+        "\0"
+    )),
     kernels: &[DECODE_KERNEL, STORE_KERNEL],
+};
+
+/// The standalone checks over an engine's own kernel arguments (block
+/// table, paged CSR, token table, store slots) against the device shadow.
+pub const CHECK: CudaSource = CudaSource {
+    name: c"check.cu",
+    code: c_source(concat!(
+        include_str!("shadow_check.cuh"),
+        include_str!("check.cu"),
+        "\0"
+    )),
+    kernels: &[
+        CHECK_BLOCK_TABLE_KERNEL,
+        CHECK_PAGED_CSR_KERNEL,
+        CHECK_REQ_TO_TOKEN_KERNEL,
+        CHECK_SLOT_MAPPING_KERNEL,
+    ],
 };
 
 /// Whole-page poison-fill and copy.
@@ -62,7 +96,7 @@ pub const SHADOW: CudaSource = CudaSource {
 };
 
 /// Every CUDA source of the crate.
-pub const SOURCES: &[CudaSource] = &[PAGED_ATTENTION, PAGES, SHADOW];
+pub const SOURCES: &[CudaSource] = &[PAGED_ATTENTION, PAGES, SHADOW, CHECK];
 
 /// Threads per decode block (`KVSAN_DECODE_THREADS` in the source).
 pub const DECODE_THREADS: u32 = 128;
@@ -110,6 +144,13 @@ pub const REFUSED_STALE_READ: u32 = 9;
 pub const REFUSED_WRITE_AFTER_FREE: u32 = 10;
 /// `foreign-write`.
 pub const REFUSED_FOREIGN_WRITE: u32 = 11;
+/// An engine's buffer the check kernels could not use at all: a negative
+/// length or location, offsets that go backwards, a last page length
+/// outside `1..=page_slots`.
+pub const REFUSED_BAD_INPUT: u32 = 12;
+
+/// Threads per block of the check kernels (`KVSAN_CHECK_THREADS`).
+pub const CHECK_THREADS: u32 = 128;
 
 /// The f16 bit pattern the poison kernel fills pages with
 /// (`KVSAN_POISON_F16`): a quiet NaN with payload `0x5A`, distinct from the
@@ -153,12 +194,22 @@ mod tests {
             ("STALE_READ", REFUSED_STALE_READ),
             ("WRITE_AFTER_FREE", REFUSED_WRITE_AFTER_FREE),
             ("FOREIGN_WRITE", REFUSED_FOREIGN_WRITE),
+            ("BAD_INPUT", REFUSED_BAD_INPUT),
         ] {
             defines.push(format!("#define KVSAN_REFUSED_{name} {code}u\n"));
         }
         for define in defines {
             assert!(attention.contains(&define), "missing `{}`", define.trim());
         }
+        for source in [&PAGED_ATTENTION, &CHECK] {
+            assert!(
+                text(source).starts_with(SHADOW_CHECK_HEADER),
+                "{:?} does not begin with the shared checks",
+                source.name
+            );
+        }
+        let check = format!("#define KVSAN_CHECK_THREADS {CHECK_THREADS}\n");
+        assert!(text(&CHECK).contains(&check), "missing `{}`", check.trim());
         let pages = text(&PAGES);
         let poison = format!("#define KVSAN_POISON_F16 ((unsigned short)0x{POISON_F16_BITS:X}u)\n");
         assert!(pages.contains(&poison), "missing `{}`", poison.trim());

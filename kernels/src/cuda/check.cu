@@ -1,0 +1,386 @@
+// Standalone checks over the buffers an engine hands its own attention and
+// store kernels (FlashAttention, FlashInfer, Triton, vLLM's
+// reshape_and_cache), against the device copy of the sanitizer's kernel
+// shadow, launched on the engine's stream just before the engine's kernel.
+// The buffers are read where they lie on the device, as the engine's kernel
+// will read them; nothing is copied to the host but one record per row.
+// shadow_check.cuh (the codes, the record layout, the page checks) is
+// prepended to this source.
+//
+// Layouts (every buffer i32 but slot_mapping, i64, as the engines keep them):
+//
+//   block table  block_table[n_table] read as rows of row_stride entries,
+//                seq_lens[rows]; row r reads seq_lens[r] tokens through
+//                entries block_table[r * row_stride + e], e < ceil(len / page_slots)
+//                (vLLM, FlashAttention)
+//   paged CSR    indptr[rows + 1], indices[n_indices], last_page_len[rows];
+//                row r reads pages indices[indptr[r] .. indptr[r + 1]], all
+//                full but the last, which holds last_page_len[r] tokens (FlashInfer)
+//   token table  req_to_token[n_table] read as rows of row_stride locations,
+//                req_indices[rows], seq_lens[rows]; row r reads token t at
+//                location req_to_token[req_indices[r] * row_stride + t],
+//                t < seq_lens[r]; a location is page * page_slots + slot (SGLang)
+//   store slots  query_start_loc[rows + 1], slot_mapping[n_slots]; row r
+//                stores token t (query_start_loc[r] <= t < query_start_loc[r + 1])
+//                at location slot_mapping[t], -1 padding (vLLM's reshape_and_cache)
+//
+// An entry past the end of its buffer is read by the row it belongs to, as
+// the engine's kernel reads it: a row whose length runs past its stride
+// reads the next row's entries. The buffers carry no generations: each page
+// is taken at the generation its shadow record holds now, so a stale or
+// reused buffer shows as a read of a page another request holds
+// (foreign-read) or that is free (read-free-page), not as a generation
+// mismatch.
+//
+// Each row is looked at twice, like the host's batch checks
+// (kvsan-sanitizer's Sanitizer::check_block_table and its neighbours): first
+// whether the engine's kernel could use its buffers at all (every entry
+// inside its buffer, every page inside the pool, lengths and offsets that
+// make sense), then each access, in order, for every layer of
+// layer_lo .. layer_hi, until the first refused one. The row's record
+//
+//   refusals[KVSAN_REFUSAL_WORDS * row] =
+//     { code, index, page, generation, current, slot, slots, layer }
+//     code        KVSAN_REFUSED_* (0: none)
+//     index       block table, CSR: the row's entry; token table, store
+//                 slots: the token; NONE for a length or offsets
+//     page        the page of the access (a page outside the pool: its
+//                 index, truncated to 32 bits); NONE when none was read
+//     generation  the generation the page was taken at (its record's)
+//     current     the same, or NONE
+//     slot        a stale read: the first slot not written; a store: its
+//                 slot; a token read: its slot; else NONE
+//     slots       the slots read (0 .. slots) or 1
+//     layer       the layer of the refused access, NONE for the bounds
+//
+// is written by the row's own thread: one thread per row, rows spread over
+// the grid (the checks of a row are a few loads a page).
+//
+// The store kernel, with `record` set, then sets the written bit of every
+// slot it let through for every layer (atomicOr), as the host's
+// check_slot_mapping records the writes it checked; the row's tokens after
+// a refused one are not recorded.
+
+#define KVSAN_CHECK_THREADS 128
+
+// The first row this thread checks, and the distance to its next.
+__device__ __forceinline__ unsigned int kvsan_first_row() {
+    return blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ unsigned int kvsan_row_step() {
+    return gridDim.x * blockDim.x;
+}
+
+__device__ __forceinline__ void kvsan_put_record(
+    unsigned int* __restrict__ refusals,
+    unsigned int row,
+    unsigned int code,
+    unsigned int index,
+    unsigned int page,
+    unsigned int current,
+    unsigned int slot,
+    unsigned int slots,
+    unsigned int layer)
+{
+    unsigned int* r = refusals + (unsigned long long)KVSAN_REFUSAL_WORDS * row;
+    r[0] = code;
+    r[1] = index;
+    r[2] = page;
+    r[3] = current;
+    r[4] = current;
+    r[5] = slot;
+    r[6] = slots;
+    r[7] = layer;
+}
+
+// A refusal of the bounds (no layer, no generation).
+__device__ __forceinline__ void kvsan_put_bounds(
+    unsigned int* __restrict__ refusals,
+    unsigned int row,
+    unsigned int code,
+    unsigned int index,
+    unsigned int page)
+{
+    kvsan_put_record(refusals, row, code, index, page, KVSAN_NONE, KVSAN_NONE, KVSAN_NONE,
+                     KVSAN_NONE);
+}
+
+// Whether a page index from an engine's buffer is a page of the pool.
+__device__ __forceinline__ bool kvsan_in_pool(long long index, unsigned int n_pages) {
+    return index >= 0ll && index < (long long)n_pages;
+}
+
+// Reading slots lo .. hi of `page` (inside the pool) for every layer of
+// layer_lo .. layer_hi, at the page's current generation: the refusal code
+// (KVSAN_REFUSED_NONE to go on), *layer_out the refused layer, *slot the
+// first slot not written of a stale read.
+__device__ unsigned int kvsan_check_page_layers(
+    unsigned int page,
+    unsigned int lo,
+    unsigned int hi,
+    unsigned int layer_lo,
+    unsigned int layer_hi,
+    unsigned int page_slots,
+    const unsigned long long* __restrict__ records,
+    const unsigned long long* __restrict__ bits,
+    unsigned int stride,
+    unsigned long long reader,
+    unsigned int* current,
+    unsigned int* layer_out,
+    unsigned int* slot)
+{
+    const unsigned int generation = (unsigned int)(records[2ull * page] & KVSAN_GENERATION_MASK);
+    *current = generation;
+    *slot = KVSAN_NONE;
+    for (unsigned int layer = layer_lo; layer < layer_hi; ++layer) {
+        const unsigned int code = kvsan_check_read_slots(
+            KVSAN_MODE_SHADOW, page, generation, layer, page_slots, lo, hi, 0, records, bits,
+            stride, reader, current, slot);
+        if (code != KVSAN_REFUSED_NONE) {
+            *layer_out = layer;
+            return code;
+        }
+    }
+    return KVSAN_REFUSED_NONE;
+}
+
+// Row r of a padded block table.
+extern "C" __global__ void kvsan_check_block_table(
+    const unsigned long long* __restrict__ records,
+    const unsigned long long* __restrict__ bits,
+    unsigned int n_pages,
+    unsigned int page_slots,
+    unsigned int stride,
+    unsigned int layer_lo,
+    unsigned int layer_hi,
+    const unsigned long long* __restrict__ owners,
+    unsigned int rows,
+    const int* __restrict__ block_table,
+    unsigned long long n_table,
+    unsigned long long row_stride,
+    const int* __restrict__ seq_lens,
+    unsigned int* __restrict__ refusals)
+{
+    for (unsigned int row = kvsan_first_row(); row < rows; row += kvsan_row_step()) {
+        const int len = seq_lens[row];
+        if (len < 0) {
+            kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
+            continue;
+        }
+        const unsigned long long entries =
+            ((unsigned long long)len + page_slots - 1ull) / page_slots;
+        const unsigned long long base = (unsigned long long)row * row_stride;
+        bool usable = true;
+        for (unsigned long long e = 0; e < entries && usable; ++e) {
+            if (base + e >= n_table) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_TABLE, (unsigned int)e,
+                                 KVSAN_NONE);
+                usable = false;
+            } else if (!kvsan_in_pool(block_table[base + e], n_pages)) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_POOL, (unsigned int)e,
+                                 (unsigned int)block_table[base + e]);
+                usable = false;
+            }
+        }
+        for (unsigned long long e = 0; e < entries && usable; ++e) {
+            const unsigned int page = (unsigned int)block_table[base + e];
+            const unsigned long long left = (unsigned long long)len - e * page_slots;
+            const unsigned int slots = left < page_slots ? (unsigned int)left : page_slots;
+            unsigned int current, layer, slot;
+            const unsigned int code = kvsan_check_page_layers(
+                page, 0u, slots, layer_lo, layer_hi, page_slots, records, bits, stride,
+                owners[row], &current, &layer, &slot);
+            if (code != KVSAN_REFUSED_NONE) {
+                kvsan_put_record(refusals, row, code, (unsigned int)e, page, current, slot, slots,
+                                 layer);
+                usable = false;
+            }
+        }
+    }
+}
+
+// Row r of pages in CSR form.
+extern "C" __global__ void kvsan_check_paged_csr(
+    const unsigned long long* __restrict__ records,
+    const unsigned long long* __restrict__ bits,
+    unsigned int n_pages,
+    unsigned int page_slots,
+    unsigned int stride,
+    unsigned int layer_lo,
+    unsigned int layer_hi,
+    const unsigned long long* __restrict__ owners,
+    unsigned int rows,
+    const int* __restrict__ indptr,
+    const int* __restrict__ indices,
+    unsigned long long n_indices,
+    const int* __restrict__ last_page_len,
+    unsigned int* __restrict__ refusals)
+{
+    for (unsigned int row = kvsan_first_row(); row < rows; row += kvsan_row_step()) {
+        const int start = indptr[row];
+        const int end = indptr[row + 1u];
+        const int last = last_page_len[row];
+        if (start < 0 || end < start || last < 0
+            || (end > start && (last < 1 || (unsigned int)last > page_slots))) {
+            kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
+            continue;
+        }
+        const unsigned int n = (unsigned int)(end - start);
+        bool usable = true;
+        for (unsigned int e = 0; e < n && usable; ++e) {
+            const unsigned long long at = (unsigned long long)start + e;
+            if (at >= n_indices) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_TABLE, e, KVSAN_NONE);
+                usable = false;
+            } else if (!kvsan_in_pool(indices[at], n_pages)) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_POOL, e,
+                                 (unsigned int)indices[at]);
+                usable = false;
+            }
+        }
+        for (unsigned int e = 0; e < n && usable; ++e) {
+            const unsigned int page = (unsigned int)indices[(unsigned long long)start + e];
+            const unsigned int slots = e + 1u == n ? (unsigned int)last : page_slots;
+            unsigned int current, layer, slot;
+            const unsigned int code = kvsan_check_page_layers(
+                page, 0u, slots, layer_lo, layer_hi, page_slots, records, bits, stride,
+                owners[row], &current, &layer, &slot);
+            if (code != KVSAN_REFUSED_NONE) {
+                kvsan_put_record(refusals, row, code, e, page, current, slot, slots, layer);
+                usable = false;
+            }
+        }
+    }
+}
+
+// Row r of a token-level table.
+extern "C" __global__ void kvsan_check_req_to_token(
+    const unsigned long long* __restrict__ records,
+    const unsigned long long* __restrict__ bits,
+    unsigned int n_pages,
+    unsigned int page_slots,
+    unsigned int stride,
+    unsigned int layer_lo,
+    unsigned int layer_hi,
+    const unsigned long long* __restrict__ owners,
+    unsigned int rows,
+    const int* __restrict__ req_to_token,
+    unsigned long long n_table,
+    unsigned long long row_stride,
+    const int* __restrict__ req_indices,
+    const int* __restrict__ seq_lens,
+    unsigned int* __restrict__ refusals)
+{
+    for (unsigned int row = kvsan_first_row(); row < rows; row += kvsan_row_step()) {
+        const int req = req_indices[row];
+        const int len = seq_lens[row];
+        if (req < 0 || len < 0) {
+            kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
+            continue;
+        }
+        const unsigned long long base = (unsigned long long)req * row_stride;
+        bool usable = true;
+        for (unsigned int t = 0; t < (unsigned int)len && usable; ++t) {
+            if (base + t >= n_table) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_TABLE, t, KVSAN_NONE);
+                usable = false;
+                continue;
+            }
+            const int loc = req_to_token[base + t];
+            if (loc < 0) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, t, KVSAN_NONE);
+                usable = false;
+            } else if (!kvsan_in_pool(loc / (int)page_slots, n_pages)) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_POOL, t,
+                                 (unsigned int)(loc / (int)page_slots));
+                usable = false;
+            }
+        }
+        for (unsigned int t = 0; t < (unsigned int)len && usable; ++t) {
+            const unsigned int loc = (unsigned int)req_to_token[base + t];
+            const unsigned int page = loc / page_slots;
+            const unsigned int at = loc % page_slots;
+            unsigned int current, layer, slot;
+            const unsigned int code = kvsan_check_page_layers(
+                page, at, at + 1u, layer_lo, layer_hi, page_slots, records, bits, stride,
+                owners[row], &current, &layer, &slot);
+            if (code != KVSAN_REFUSED_NONE) {
+                kvsan_put_record(refusals, row, code, t, page, current,
+                                 slot == KVSAN_NONE ? at : slot, 1u, layer);
+                usable = false;
+            }
+        }
+    }
+}
+
+// Row r of a store kernel's slots; with `record`, the slots let through
+// are marked written for every layer of layer_lo .. layer_hi.
+extern "C" __global__ void kvsan_check_slot_mapping(
+    const unsigned long long* __restrict__ records,
+    unsigned long long* __restrict__ bits,
+    unsigned int n_pages,
+    unsigned int page_slots,
+    unsigned int stride,
+    unsigned int layer_lo,
+    unsigned int layer_hi,
+    const unsigned long long* __restrict__ owners,
+    unsigned int rows,
+    const int* __restrict__ query_start_loc,
+    const long long* __restrict__ slot_mapping,
+    unsigned long long n_slots,
+    unsigned int record,
+    unsigned int* __restrict__ refusals)
+{
+    for (unsigned int row = kvsan_first_row(); row < rows; row += kvsan_row_step()) {
+        const int start = query_start_loc[row];
+        const int end = query_start_loc[row + 1u];
+        if (start < 0 || end < start) {
+            kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
+            continue;
+        }
+        bool usable = true;
+        for (unsigned int t = (unsigned int)start; t < (unsigned int)end && usable; ++t) {
+            if ((unsigned long long)t >= n_slots) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_TABLE, t, KVSAN_NONE);
+                usable = false;
+                continue;
+            }
+            const long long loc = slot_mapping[t];
+            if (loc == -1ll) {
+                continue;
+            }
+            if (loc < 0ll) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, t, KVSAN_NONE);
+                usable = false;
+            } else if (!kvsan_in_pool(loc / (long long)page_slots, n_pages)) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_POOL, t,
+                                 (unsigned int)(loc / (long long)page_slots));
+                usable = false;
+            }
+        }
+        for (unsigned int t = (unsigned int)start; t < (unsigned int)end && usable; ++t) {
+            const long long loc = slot_mapping[t];
+            if (loc == -1ll) {
+                continue;
+            }
+            const unsigned int page = (unsigned int)(loc / (long long)page_slots);
+            const unsigned int at = (unsigned int)(loc % (long long)page_slots);
+            const unsigned int generation =
+                (unsigned int)(records[2ull * page] & KVSAN_GENERATION_MASK);
+            unsigned int current;
+            const unsigned int code = kvsan_check_store(KVSAN_MODE_SHADOW, page, generation, 0,
+                                                        records, owners[row], &current);
+            if (code != KVSAN_REFUSED_NONE) {
+                kvsan_put_record(refusals, row, code, t, page, current, at, 1u, KVSAN_NONE);
+                usable = false;
+            } else if (record != 0u) {
+                for (unsigned int layer = layer_lo; layer < layer_hi; ++layer) {
+                    const unsigned long long bit = (unsigned long long)layer * page_slots + at;
+                    atomicOr(bits + (unsigned long long)page * stride + bit / 64ull,
+                             1ull << (bit % 64ull));
+                }
+            }
+        }
+    }
+}
