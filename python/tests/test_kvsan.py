@@ -148,3 +148,64 @@ def test_the_prefix_cache_shares_within_a_tenant_only(san):
     assert p.read(same, [page], SLOTS).ok
     refused = p.share(page, other)
     assert refused.kind == "cross-domain-share"
+
+
+class FakeGpuArray:
+    """A GPU array as far as the protocol goes (``__cuda_array_interface__``,
+    version 3) at a device address no driver knows: what reaches the shim
+    is the address, the length, the type and the device ordinal."""
+
+    def __init__(self, address: int, n: int, typestr: str = "<i4", strides=None) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (n,),
+            "typestr": typestr,
+            "data": (address, False),
+            "strides": strides,
+            "version": 3,
+        }
+
+
+def test_gpu_arrays_go_to_the_device_check_by_address(san):
+    p = pool(san)
+    a, b = filled(san, p)
+    table, lens = FakeGpuArray(0x7F0000000000, 4), FakeGpuArray(0x7F0000001000, 2)
+    # This machine has no CUDA driver: the device check is reached (the
+    # arguments passed its checks) and says why it cannot run.
+    with pytest.raises(kvsan.KvsanError) as refused:
+        p.check_block_table([a, b], table, 2, lens)
+    assert refused.value.status == "KVSAN_ERR_DEVICE"
+    assert refused.value.call == "kvsan_check_block_table_device"
+    assert "device check could not run" in refused.value.message
+    with pytest.raises(kvsan.KvsanError) as null:
+        p.check_slot_mapping([a, b], FakeGpuArray(0, 3), FakeGpuArray(0x7F0000002000, 3, "<i8"))
+    assert null.value.status == "KVSAN_ERR_NULL" and "query_start_loc" in null.value.message
+    with pytest.raises(kvsan.KvsanError) as misaligned:
+        p.check_paged_csr([a, b], FakeGpuArray(0x7F0000000002, 3), table, lens)
+    assert misaligned.value.status == "KVSAN_ERR_INVALID_ARGUMENT"
+
+
+def test_gpu_and_host_buffers_are_not_mixed_and_types_are_checked(san):
+    p = pool(san)
+    a, b = filled(san, p)
+    with pytest.raises(TypeError, match="block_table on the GPU but seq_lens in host memory"):
+        p.check_block_table([a, b], FakeGpuArray(0x7F0000000000, 4), 2, [6, 5])
+    with pytest.raises(TypeError, match="expected int64"):
+        p.check_slot_mapping([a, b], FakeGpuArray(0x7F0000000000, 3), FakeGpuArray(0x7F0000001000, 3))
+    with pytest.raises(TypeError, match="not C-contiguous"):
+        p.check_req_to_token(
+            [a, b], FakeGpuArray(0x7F0000000000, 16, strides=(8,)), 8, FakeGpuArray(0x7F0000001000, 2),
+            FakeGpuArray(0x7F0000002000, 2),
+        )
+
+
+def test_cuda_tensors_are_checked_on_their_gpu(san):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("requires a CUDA GPU")
+    p = pool(san)
+    a, b = filled(san, p)
+    lens = torch.tensor([6, 5], dtype=torch.int32, device="cuda")
+    ok = p.check_block_table([a, b], torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda"), 2, lens)
+    assert [v.ok for v in ok] == [True, True]
+    swapped = p.check_block_table([a, b], torch.tensor([2, 3, 0, 1], dtype=torch.int32, device="cuda"), 2, lens)
+    assert [v.kind for v in swapped] == ["foreign-read", "foreign-read"]

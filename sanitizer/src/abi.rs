@@ -14,14 +14,14 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!
-//!  KvsanHookTable (136 bytes on LP64, #[repr(C)], version 1.2; a 1.1 table
-//!  ends after request_event_at, 120 bytes; a 1.0 table before
-//!  kernel_shadow, 96 bytes)
+//!  KvsanHookTable (136 bytes on LP64, #[repr(C)], version 1.3, laid out
+//!  as 1.2 (1.3 added C functions, not hooks); a 1.1 table ends after
+//!  request_event_at, 120 bytes; a 1.0 table before kernel_shadow, 96 bytes)
 //!  offset size
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
 //!  |  4 |  2 | version_major   u16  1; another major is not attached          |
-//!  |  6 |  2 | version_minor   u16  2; a newer minor only appends fields      |
+//!  |  6 |  2 | version_minor   u16  3; a newer minor only appends fields      |
 //!  |  8 |  4 | flags           u32  bit 0 KVSAN_FLAG_POISON: poison freed pages|
 //!  | 12 |  4 | quarantine_pages u32 freed pages held back before reuse       |
 //!  | 16 |  8 | ctx             void* passed as first argument to every hook  |
@@ -120,8 +120,10 @@ use crate::{
 pub const HOOK_TABLE_SYMBOL: &CStr = c"kvsan_hook_table_v1";
 /// The table's major version (another major is not compatible).
 pub const HOOK_TABLE_VERSION_MAJOR: u16 = 1;
-/// The table's minor version (a newer minor only appends fields).
-pub const HOOK_TABLE_VERSION_MINOR: u16 = 2;
+/// The table's minor version (a newer minor only appends fields), which
+/// is also the C ABI's: 3 added the batch checks over device buffers and
+/// `KVSAN_ERR_DEVICE`, and no table field.
+pub const HOOK_TABLE_VERSION_MINOR: u16 = 3;
 /// `flags` bit: poison-fill freed pages.
 pub const KVSAN_FLAG_POISON: u32 = 1;
 /// Verdict code: go on.
@@ -810,6 +812,7 @@ abi_statuses! {
     KVSAN_ERR_TOO_MANY_POOLS = -9, "the pool limit is reached";
     KVSAN_ERR_GENERATION = -10, "the caller's page generation differs from the shadow's (the two count allocations differently)";
     KVSAN_ERR_INTERNAL = -11, "the library failed inside (a caught panic or an error it has no code for); it wrote a report";
+    KVSAN_ERR_DEVICE = -12, "a check over device buffers could not run (no CUDA driver, NVRTC or such device, a CUDA failure, or a library built without CUDA)";
 }
 
 /// The status code of a sanitizer error.

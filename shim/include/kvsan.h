@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define KVSAN_ABI_VERSION_MAJOR 1
-#define KVSAN_ABI_VERSION_MINOR 2
+#define KVSAN_ABI_VERSION_MINOR 3
 #define KVSAN_ABI_VERSION ((uint32_t)((KVSAN_ABI_VERSION_MAJOR << 16) | KVSAN_ABI_VERSION_MINOR))
 
 /* Status codes. */
@@ -57,6 +57,7 @@ extern "C" {
 #define KVSAN_ERR_TOO_MANY_POOLS (-9)   /* the pool limit is reached */
 #define KVSAN_ERR_GENERATION (-10)      /* the engine's page generation differs from the shadow's */
 #define KVSAN_ERR_INTERNAL (-11)        /* the library failed inside (caught); it wrote a report */
+#define KVSAN_ERR_DEVICE (-12)          /* a device-buffer check could not run (no CUDA, or built without it) */
 
 /* KvsanVerdict.code */
 #define KVSAN_VERDICT_CONTINUE 0u /* go on */
@@ -242,8 +243,9 @@ typedef KvsanVerdict (*KvsanShareFn)(void *ctx, uint32_t pool, KvsanPageRef page
                                      KvsanOwner sharer);
 typedef KvsanVerdict (*KvsanDeclareSaltFn)(void *ctx, KvsanOwner owner, uint64_t salt);
 
-/* Version 1.2, 136 bytes on LP64 (1.1 ends before share, 120 bytes; 1.0
- * before kernel_shadow, 96 bytes). `size` first; a newer minor only
+/* Version 1.3, 136 bytes on LP64, laid out as 1.2 (1.3 added C functions,
+ * not hooks; 1.1 ends before share, 120 bytes; 1.0 before kernel_shadow,
+ * 96 bytes). `size` first; a newer minor only
  * appends. */
 typedef struct KvsanHookTable {
     uint32_t size;
@@ -372,6 +374,36 @@ int32_t kvsan_check_slot_mapping(uint32_t pool, const KvsanOwner *owners, size_t
                                  const int32_t *query_start_loc, const int64_t *slot_mapping,
                                  size_t tokens, KvsanRange layers, uint64_t step,
                                  KvsanVerdict *verdicts_out);
+
+/* The same four checks over CUDA device buffers, where the engine's kernel
+ * will read them (since ABI 1.3): each buffer is a device address (a
+ * CUdeviceptr, e.g. torch's tensor.data_ptr()) on device `device`, with its
+ * length in values as above. The call waits for the device's queued work
+ * (the engine's writes to the buffers), copies the pool's kernel shadow to
+ * the device and runs kvsan's CUDA check kernel over the buffers in place;
+ * the buffers are copied to the host only when a row is refused, and that
+ * row is then reported by the host check above on the copied values (the
+ * same verdicts, reports and KVSAN_ERR_OUT_OF_RANGE). Stores let through
+ * are recorded written. KVSAN_ERR_DEVICE when the check cannot run: a
+ * library built without the `cuda` feature, no CUDA driver or NVRTC, no
+ * such device, or a CUDA failure (the message says which). */
+int32_t kvsan_check_block_table_device(uint32_t pool, int32_t device, const KvsanOwner *owners,
+                                       size_t rows, uint64_t block_table, size_t table_len,
+                                       size_t stride, uint64_t seq_lens, KvsanRange layers,
+                                       uint64_t step, KvsanVerdict *verdicts_out);
+int32_t kvsan_check_paged_csr_device(uint32_t pool, int32_t device, const KvsanOwner *owners,
+                                     size_t rows, uint64_t indptr, uint64_t indices, size_t nnz,
+                                     uint64_t last_page_len, KvsanRange layers, uint64_t step,
+                                     KvsanVerdict *verdicts_out);
+int32_t kvsan_check_req_to_token_device(uint32_t pool, int32_t device, const KvsanOwner *owners,
+                                        size_t rows, uint64_t req_to_token, size_t table_len,
+                                        size_t stride, uint64_t req_indices, uint64_t seq_lens,
+                                        KvsanRange layers, uint64_t step,
+                                        KvsanVerdict *verdicts_out);
+int32_t kvsan_check_slot_mapping_device(uint32_t pool, int32_t device, const KvsanOwner *owners,
+                                        size_t rows, uint64_t query_start_loc,
+                                        uint64_t slot_mapping, size_t tokens, KvsanRange layers,
+                                        uint64_t step, KvsanVerdict *verdicts_out);
 
 /* ---- transfers (disaggregated prefill -> decode) -------------------------- */
 

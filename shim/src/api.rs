@@ -617,3 +617,152 @@ pub unsafe extern "C" fn kvsan_check_slot_mapping(
         })
     }
 }
+
+/// [`kvsan_check_block_table`] over device buffers on CUDA device `device`
+/// (`block_table` and `seq_lens` are device addresses); see `kvsan.h`.
+///
+/// # Safety
+/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
+/// - `block_table` is a live device allocation of `table_len` `int32_t`
+///   and `seq_lens` one of `rows`, on device `device`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_block_table_device(
+    pool: u32,
+    device: i32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    block_table: u64,
+    table_len: usize,
+    stride: usize,
+    seq_lens: u64,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_block_table_device";
+    let arrays = calls::BatchArrays { owners, rows };
+    let buffers = calls::DeviceBuffers::BlockTable {
+        block_table,
+        table_len,
+        stride,
+        seq_lens,
+    };
+    // SAFETY: the caller's contract on every pointer and address.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
+        })
+    }
+}
+
+/// [`kvsan_check_paged_csr`] over device buffers on CUDA device `device`.
+///
+/// # Safety
+/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
+/// - `indptr` (`rows + 1`), `indices` (`nnz`) and `last_page_len` (`rows`)
+///   are live device allocations of `int32_t` on device `device`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_paged_csr_device(
+    pool: u32,
+    device: i32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    indptr: u64,
+    indices: u64,
+    nnz: usize,
+    last_page_len: u64,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_paged_csr_device";
+    let arrays = calls::BatchArrays { owners, rows };
+    let buffers = calls::DeviceBuffers::PagedCsr {
+        indptr,
+        indices,
+        nnz,
+        last_page_len,
+    };
+    // SAFETY: the caller's contract on every pointer and address.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
+        })
+    }
+}
+
+/// [`kvsan_check_req_to_token`] over device buffers on CUDA device `device`.
+///
+/// # Safety
+/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
+/// - `req_to_token` (`table_len`), `req_indices` and `seq_lens` (`rows`
+///   each) are live device allocations of `int32_t` on device `device`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_req_to_token_device(
+    pool: u32,
+    device: i32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    req_to_token: u64,
+    table_len: usize,
+    stride: usize,
+    req_indices: u64,
+    seq_lens: u64,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_req_to_token_device";
+    let arrays = calls::BatchArrays { owners, rows };
+    let buffers = calls::DeviceBuffers::ReqToToken {
+        req_to_token,
+        table_len,
+        stride,
+        req_indices,
+        seq_lens,
+    };
+    // SAFETY: the caller's contract on every pointer and address.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
+        })
+    }
+}
+
+/// [`kvsan_check_slot_mapping`] over device buffers on CUDA device `device`.
+///
+/// # Safety
+/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
+/// - `query_start_loc` (`rows + 1` `int32_t`) and `slot_mapping` (`tokens`
+///   `int64_t`) are live device allocations on device `device`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvsan_check_slot_mapping_device(
+    pool: u32,
+    device: i32,
+    owners: *const KvsanOwner,
+    rows: usize,
+    query_start_loc: u64,
+    slot_mapping: u64,
+    tokens: usize,
+    layers: KvsanRange,
+    step: u64,
+    verdicts_out: *mut KvsanVerdict,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_check_slot_mapping_device";
+    let arrays = calls::BatchArrays { owners, rows };
+    let buffers = calls::DeviceBuffers::SlotMapping {
+        query_start_loc,
+        slot_mapping,
+        tokens,
+    };
+    // SAFETY: the caller's contract on every pointer and address.
+    unsafe {
+        batch(CALL, rows, verdicts_out, || {
+            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
+        })
+    }
+}

@@ -105,6 +105,159 @@ pub(crate) struct BatchArrays {
     pub rows: usize,
 }
 
+/// An engine's device buffers for one check: device addresses and lengths
+/// (in values).
+#[derive(Clone, Copy, Debug)]
+// Without the `cuda` feature only the addresses are looked at.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum DeviceBuffers {
+    /// `block_table[table_len]` in rows of `stride`, `seq_lens[rows]`.
+    BlockTable {
+        block_table: u64,
+        table_len: usize,
+        stride: usize,
+        seq_lens: u64,
+    },
+    /// `indptr[rows + 1]`, `indices[nnz]`, `last_page_len[rows]`.
+    PagedCsr {
+        indptr: u64,
+        indices: u64,
+        nnz: usize,
+        last_page_len: u64,
+    },
+    /// `req_to_token[table_len]` in rows of `stride`, `req_indices[rows]`,
+    /// `seq_lens[rows]`.
+    ReqToToken {
+        req_to_token: u64,
+        table_len: usize,
+        stride: usize,
+        req_indices: u64,
+        seq_lens: u64,
+    },
+    /// `query_start_loc[rows + 1]`, `slot_mapping[tokens]` (i64).
+    SlotMapping {
+        query_start_loc: u64,
+        slot_mapping: u64,
+        tokens: usize,
+    },
+}
+
+impl DeviceBuffers {
+    /// Each buffer: its name, address, length in values and value size.
+    pub(crate) fn arrays(&self, rows: usize) -> Vec<(&'static str, u64, usize, usize)> {
+        let offsets = rows.saturating_add(1);
+        match *self {
+            DeviceBuffers::BlockTable {
+                block_table,
+                table_len,
+                seq_lens,
+                ..
+            } => vec![
+                ("block_table", block_table, table_len, 4),
+                ("seq_lens", seq_lens, rows, 4),
+            ],
+            DeviceBuffers::PagedCsr {
+                indptr,
+                indices,
+                nnz,
+                last_page_len,
+            } => vec![
+                ("indptr", indptr, offsets, 4),
+                ("indices", indices, nnz, 4),
+                ("last_page_len", last_page_len, rows, 4),
+            ],
+            DeviceBuffers::ReqToToken {
+                req_to_token,
+                table_len,
+                req_indices,
+                seq_lens,
+                ..
+            } => vec![
+                ("req_to_token", req_to_token, table_len, 4),
+                ("req_indices", req_indices, rows, 4),
+                ("seq_lens", seq_lens, rows, 4),
+            ],
+            DeviceBuffers::SlotMapping {
+                query_start_loc,
+                slot_mapping,
+                tokens,
+            } => vec![
+                ("query_start_loc", query_start_loc, offsets, 4),
+                ("slot_mapping", slot_mapping, tokens, 8),
+            ],
+        }
+    }
+}
+
+/// A batch check over device buffers (`kvsan_check_*_device`): the owners
+/// checked as the host checks check them, each device address non-null
+/// (when its length is not 0) and aligned for its values, then
+/// [`crate::device::check`] (feature `cuda`).
+///
+/// # Safety
+/// - `rows.owners` as [`row_owners`];
+/// - every address in `buffers` is a live device allocation of device
+///   `device` holding the values its length says (the header's contract).
+pub(crate) unsafe fn check_device(
+    call: &'static str,
+    pool: u32,
+    device: i32,
+    rows: BatchArrays,
+    buffers: DeviceBuffers,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    // SAFETY: the caller's contract on `owners`.
+    let owners = unsafe { row_owners(call, rows.owners, rows.rows) }?;
+    let ordinal = usize::try_from(device).map_err(|_| ShimError::InvalidArgument {
+        call,
+        argument: "device",
+        value: device as u64,
+        allowed: "a CUDA device ordinal, 0 or more",
+    })?;
+    for (argument, address, len, size) in buffers.arrays(rows.rows) {
+        if len == 0 {
+            continue;
+        }
+        if address == 0 {
+            return Err(ShimError::Null { call, argument });
+        }
+        if !address.is_multiple_of(size as u64) {
+            return Err(ShimError::Misaligned {
+                call,
+                argument,
+                address: address as usize,
+                align: size,
+            });
+        }
+    }
+    let san = san()?;
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: the caller's contract on the addresses.
+        unsafe {
+            crate::device::check(
+                call,
+                san,
+                pool,
+                ordinal,
+                &owners,
+                buffers,
+                range(layers),
+                step,
+            )
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (san, pool, ordinal, owners, layers, step);
+        Err(ShimError::Device {
+            call,
+            reason: "this library was built without the `cuda` feature".into(),
+        })
+    }
+}
+
 /// Attention over a padded block table (`kvsan_check_block_table`).
 ///
 /// # Safety

@@ -4,8 +4,9 @@
 
 use kvsan_sanitizer::SanitizerError;
 use kvsan_sanitizer::abi::{
-    AbiStatus, KVSAN_ERR_GENERATION, KVSAN_ERR_INTERNAL, KVSAN_ERR_INVALID_ARGUMENT,
-    KVSAN_ERR_NOT_ATTACHED, KVSAN_ERR_NULL, KVSAN_ERR_SIZE, KVSAN_ERR_VERSION, status_of,
+    AbiStatus, KVSAN_ERR_DEVICE, KVSAN_ERR_GENERATION, KVSAN_ERR_INTERNAL,
+    KVSAN_ERR_INVALID_ARGUMENT, KVSAN_ERR_NOT_ATTACHED, KVSAN_ERR_NULL, KVSAN_ERR_SIZE,
+    KVSAN_ERR_VERSION, status_of,
 };
 
 /// A refused call.
@@ -98,6 +99,15 @@ pub enum ShimError {
         #[source]
         source: SanitizerError,
     },
+    /// A check over device buffers could not run: built without the `cuda`
+    /// feature, no CUDA driver, NVRTC or such device, or a CUDA failure.
+    #[error("`{call}`: the device check could not run: {reason}")]
+    Device {
+        /// The function called.
+        call: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// The library panicked inside the call (a bug in the library); the
     /// panic was caught at the boundary.
     #[error("`{call}`: internal error (caught panic: {message})")]
@@ -124,6 +134,7 @@ impl ShimError {
             ShimError::Generation { .. } => KVSAN_ERR_GENERATION,
             ShimError::Sanitizer { source, .. } => status_of(source),
             ShimError::Panic { .. } => KVSAN_ERR_INTERNAL,
+            ShimError::Device { .. } => KVSAN_ERR_DEVICE,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! safe entry points that check every input before a launch.
 
 use std::collections::HashSet;
+use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -704,6 +705,44 @@ impl CudaKernels {
             found = decode_engine_refusals(&records, layout)?;
         }
         Ok(found)
+    }
+
+    /// An engine's own device allocation, `len` values of `T` at device
+    /// address `ptr` on this device, as a buffer of this stream — for
+    /// [`EngineBatch`]'s views. It is never freed by kvsan: the
+    /// `ManuallyDrop` must not be dropped into (the memory is the engine's).
+    ///
+    /// # Safety
+    /// `ptr` is a live allocation of this device's primary context holding
+    /// at least `len` values of `T`, and stays one while the buffer is used.
+    pub unsafe fn borrow_device<T>(&self, ptr: u64, len: usize) -> ManuallyDrop<CudaSlice<T>> {
+        // SAFETY: the caller's contract; never dropped, so never freed.
+        ManuallyDrop::new(unsafe { self.stream.upgrade_device_ptr(ptr, len) })
+    }
+
+    /// Waits until all work queued on the device by anyone in this process
+    /// has finished (an engine's writes to the buffers it then hands
+    /// [`CudaKernels::check_engine_batch`], on its own streams).
+    ///
+    /// # Errors
+    /// A CUDA failure, of this work or of the work waited for.
+    pub fn synchronize_device(&self) -> Result<(), CudaError> {
+        self.stream
+            .context()
+            .synchronize()
+            .map_err(CudaError::driver("wait for the device"))?;
+        self.finish("wait for the device")
+    }
+
+    /// A device buffer's values, copied to the host.
+    ///
+    /// # Errors
+    /// A CUDA failure.
+    pub fn copy_to_host<T: cudarc::driver::DeviceRepr>(
+        &self,
+        device: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        self.download(device, "copy a device buffer to the host")
     }
 
     fn check_layer(&self, geometry: &KvGeometry, layer: usize) -> Result<(), CudaError> {

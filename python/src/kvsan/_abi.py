@@ -19,7 +19,7 @@ from ctypes import (
 from pathlib import Path
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 2
+ABI_VERSION_MINOR = 3
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 # KVSAN_PREFIX_CACHE_REQUEST: the request id of the prefix cache as a page
 # holder (share to register a page, free to evict it); never a request's.
@@ -137,6 +137,36 @@ SIGNATURES = {
     "kvsan_check_slot_mapping": (
         c_int32,
         [c_uint32, POINTER(Owner), c_size_t, _I32, POINTER(c_int64), c_size_t, CRange, c_uint64, _V],
+    ),
+    # Device buffers: CUDA device addresses (since ABI 1.3).
+    "kvsan_check_block_table_device": (
+        c_int32,
+        [c_uint32, c_int32, POINTER(Owner), c_size_t, c_uint64, c_size_t, c_size_t, c_uint64, CRange, c_uint64, _V],
+    ),
+    "kvsan_check_paged_csr_device": (
+        c_int32,
+        [c_uint32, c_int32, POINTER(Owner), c_size_t, c_uint64, c_uint64, c_size_t, c_uint64, CRange, c_uint64, _V],
+    ),
+    "kvsan_check_req_to_token_device": (
+        c_int32,
+        [
+            c_uint32,
+            c_int32,
+            POINTER(Owner),
+            c_size_t,
+            c_uint64,
+            c_size_t,
+            c_size_t,
+            c_uint64,
+            c_uint64,
+            CRange,
+            c_uint64,
+            _V,
+        ],
+    ),
+    "kvsan_check_slot_mapping_device": (
+        c_int32,
+        [c_uint32, c_int32, POINTER(Owner), c_size_t, c_uint64, c_uint64, c_size_t, CRange, c_uint64, _V],
     ),
     "kvsan_violation_count": (c_int32, [POINTER(c_uint64)]),
     "kvsan_violation_count_of": (c_int32, [c_uint32, POINTER(c_uint64)]),

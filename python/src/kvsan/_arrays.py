@@ -1,7 +1,9 @@
 """Integer buffers handed to the C ABI without copies where the caller's
 object allows it: numpy arrays, CPU torch tensors and writable buffers
 (``array.array``, memoryviews of writable memory) of the right type are
-passed by address; lists, tuples and read-only buffers are copied."""
+passed by address; lists, tuples and read-only buffers are copied. GPU
+arrays (anything with ``__cuda_array_interface__``: CUDA torch tensors,
+CuPy and Numba arrays) are passed by device address to the device checks."""
 
 from __future__ import annotations
 
@@ -73,3 +75,54 @@ def as_c_array(obj: Any, ctype: type, name: str) -> CArray:
     values = [int(v) for v in obj]
     array = (ctype * len(values))(*values)
     return CArray(ctypes.cast(array, ptr_type), len(values), array, True)
+
+
+# (ctypes type) -> the __cuda_array_interface__ type strings it accepts.
+_DEVICE_TYPES = {ctypes.c_int32: ("<i4", "|i4", "=i4"), ctypes.c_int64: ("<i8", "|i8", "=i8")}
+
+
+class DeviceArray(NamedTuple):
+    """A GPU buffer by device address: its address, length in values, the
+    CUDA device ordinal it lives on, and the object that keeps it alive."""
+
+    address: int
+    length: int
+    device: int
+    keepalive: Any
+
+
+def on_device(obj: Any) -> bool:
+    """Whether ``obj`` is a GPU array (``__cuda_array_interface__``)."""
+    return hasattr(type(obj), "__cuda_array_interface__") or hasattr(obj, "__cuda_array_interface__")
+
+
+def _ordinal(obj: Any) -> int:
+    device = getattr(obj, "device", None)
+    for attr in ("index", "id"):  # torch.device.index, cupy.cuda.Device.id
+        value = getattr(device, attr, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def as_device_array(obj: Any, ctype: type, name: str) -> DeviceArray:
+    """``obj`` (a GPU array) as a contiguous device buffer of ``ctype``;
+    raises ``TypeError`` naming ``name`` for another type or layout."""
+    cai = obj.__cuda_array_interface__
+    typestr = cai.get("typestr")
+    if typestr not in _DEVICE_TYPES[ctype]:
+        raise TypeError(f"{name}: device array of type {typestr!r}, expected {_NAMES[ctype]}")
+    shape = tuple(cai.get("shape", ()))
+    n = 1
+    for dim in shape:
+        n *= int(dim)
+    strides = cai.get("strides")
+    if strides is not None:
+        expected, size = [], ctypes.sizeof(ctype)
+        for dim in reversed(shape):
+            expected.append(size)
+            size *= int(dim)
+        if tuple(reversed(expected)) != tuple(strides) and n > 1:
+            raise TypeError(f"{name}: the device array is not C-contiguous")
+    address = int(cai["data"][0])
+    return DeviceArray(address, n, _ordinal(obj), obj)

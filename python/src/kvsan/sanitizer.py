@@ -10,7 +10,7 @@ from typing import Any, Iterable, Sequence
 
 from . import _abi
 from ._abi import CRange, CVerdict, Owner, PageRef
-from ._arrays import as_c_array
+from ._arrays import DeviceArray, as_c_array, as_device_array, on_device
 
 
 class KvsanError(Exception):
@@ -246,6 +246,19 @@ class Pool:
         self.san._check(name, getattr(self.san._lib, name)(self.id, c_owners, rows, *args, out))
         return [self.san._verdict(v, f"{name} row {i}") for i, v in enumerate(out)]
 
+    def _device_batch(
+        self, name: str, owners: Sequence[Owner], arrays: Sequence[DeviceArray], *args: Any
+    ) -> list[Verdict]:
+        devices = {a.device for a in arrays}
+        if len(devices) != 1:
+            raise ValueError(f"{name}: the buffers are on CUDA devices {sorted(devices)}; one launch reads one")
+        rows = len(owners)
+        c_owners = (Owner * rows)(*owners)
+        out = (CVerdict * rows)()
+        fn = getattr(self.san._lib, name)
+        self.san._check(name, fn(self.id, devices.pop(), c_owners, rows, *args, out))
+        return [self.san._verdict(v, f"{name} row {i}") for i, v in enumerate(out)]
+
     def check_block_table(
         self,
         owners: Sequence[Owner],
@@ -256,7 +269,23 @@ class Pool:
         step: int = 0,
     ) -> list[Verdict]:
         """A padded block table (vLLM, FlashAttention), ``int32``: row ``r``
-        reads ``seq_lens[r]`` tokens through ``block_table[r * stride ...]``."""
+        reads ``seq_lens[r]`` tokens through ``block_table[r * stride ...]``.
+        GPU arrays (CUDA tensors) are checked where they lie, by kvsan's
+        CUDA check kernel (see :func:`_on_device`)."""
+        if _on_device(block_table=block_table, seq_lens=seq_lens):
+            table_d = as_device_array(block_table, c_int32, "block_table")
+            lens_d = _rows(as_device_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
+            return self._device_batch(
+                "kvsan_check_block_table_device",
+                owners,
+                [table_d, lens_d],
+                table_d.address,
+                table_d.length,
+                stride,
+                lens_d.address,
+                _range(layers, self.layers),
+                step,
+            )
         table = as_c_array(block_table, c_int32, "block_table")
         lens = _rows(as_c_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
         return self._batch(
@@ -279,7 +308,25 @@ class Pool:
         layers: range | tuple[int, int] | None = None,
         step: int = 0,
     ) -> list[Verdict]:
-        """Pages in CSR form (FlashInfer), ``int32``."""
+        """Pages in CSR form (FlashInfer), ``int32``; GPU arrays are
+        checked on the GPU."""
+        if _on_device(indptr=indptr, indices=indices, last_page_len=last_page_len):
+            ptr_d = as_device_array(indptr, c_int32, "indptr")
+            if ptr_d.length != len(owners) + 1:
+                raise ValueError(f"indptr has {ptr_d.length} entries; {len(owners)} rows need {len(owners) + 1}")
+            idx_d = as_device_array(indices, c_int32, "indices")
+            last_d = _rows(as_device_array(last_page_len, c_int32, "last_page_len"), owners, "last_page_len")
+            return self._device_batch(
+                "kvsan_check_paged_csr_device",
+                owners,
+                [ptr_d, idx_d, last_d],
+                ptr_d.address,
+                idx_d.address,
+                idx_d.length,
+                last_d.address,
+                _range(layers, self.layers),
+                step,
+            )
         ptr = as_c_array(indptr, c_int32, "indptr")
         if ptr.length != len(owners) + 1:
             raise ValueError(f"indptr has {ptr.length} entries; {len(owners)} rows need {len(owners) + 1}")
@@ -306,7 +353,24 @@ class Pool:
         layers: range | tuple[int, int] | None = None,
         step: int = 0,
     ) -> list[Verdict]:
-        """A token-level table (SGLang's ``req_to_token``), ``int32``."""
+        """A token-level table (SGLang's ``req_to_token``), ``int32``; GPU
+        arrays are checked on the GPU."""
+        if _on_device(req_to_token=req_to_token, req_indices=req_indices, seq_lens=seq_lens):
+            table_d = as_device_array(req_to_token, c_int32, "req_to_token")
+            reqs_d = _rows(as_device_array(req_indices, c_int32, "req_indices"), owners, "req_indices")
+            lens_d = _rows(as_device_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
+            return self._device_batch(
+                "kvsan_check_req_to_token_device",
+                owners,
+                [table_d, reqs_d, lens_d],
+                table_d.address,
+                table_d.length,
+                stride,
+                reqs_d.address,
+                lens_d.address,
+                _range(layers, self.layers),
+                step,
+            )
         table = as_c_array(req_to_token, c_int32, "req_to_token")
         reqs = _rows(as_c_array(req_indices, c_int32, "req_indices"), owners, "req_indices")
         lens = _rows(as_c_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
@@ -332,7 +396,24 @@ class Pool:
     ) -> list[Verdict]:
         """A store kernel's ``slot_mapping`` (``int64``, −1 padding) with
         ``query_start_loc`` (``int32``, rows + 1); the slots stored are
-        recorded written."""
+        recorded written. GPU arrays are checked on the GPU."""
+        if _on_device(query_start_loc=query_start_loc, slot_mapping=slot_mapping):
+            starts_d = as_device_array(query_start_loc, c_int32, "query_start_loc")
+            if starts_d.length != len(owners) + 1:
+                raise ValueError(
+                    f"query_start_loc has {starts_d.length} entries; {len(owners)} rows need {len(owners) + 1}"
+                )
+            slots_d = as_device_array(slot_mapping, c_int64, "slot_mapping")
+            return self._device_batch(
+                "kvsan_check_slot_mapping_device",
+                owners,
+                [starts_d, slots_d],
+                starts_d.address,
+                slots_d.address,
+                slots_d.length,
+                _range(layers, self.layers),
+                step,
+            )
         starts = as_c_array(query_start_loc, c_int32, "query_start_loc")
         if starts.length != len(owners) + 1:
             raise ValueError(
@@ -348,6 +429,22 @@ class Pool:
             _range(layers, self.layers),
             step,
         )
+
+
+def _on_device(**buffers: Any) -> bool:
+    """Whether the buffers are GPU arrays (``__cuda_array_interface__``):
+    then the check runs on their device, by kvsan's CUDA check kernel over
+    the buffers in place (the shim built with its ``cuda`` feature; else,
+    or without a CUDA driver, :class:`KvsanError` ``KVSAN_ERR_DEVICE``).
+    All of one call's buffers are on the GPU, or none."""
+    where = {name: on_device(b) for name, b in buffers.items()}
+    if all(where.values()):
+        return True
+    if any(where.values()):
+        gpu = ", ".join(n for n, d in where.items() if d)
+        host = ", ".join(n for n, d in where.items() if not d)
+        raise TypeError(f"{gpu} on the GPU but {host} in host memory: pass all of them on one side")
+    return False
 
 
 def _rows(array: Any, owners: Sequence[Owner], name: str) -> Any:
