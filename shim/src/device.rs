@@ -79,6 +79,14 @@ pub(crate) unsafe fn check(
     };
     let kernels = &device.kernels;
     kernels.synchronize_device().map_err(&err)?;
+    // Every page at the generation the upload below copies.
+    let uploaded: Vec<PageRef> = (0..host.pages())
+        .filter_map(|p| {
+            let page = PageId(u32::try_from(p).ok()?);
+            let (word, _) = host.record_words(page)?;
+            Some(PageRef::new(page.0, word as u32))
+        })
+        .collect();
     let shadow = match device.shadows.entry(pool) {
         std::collections::hash_map::Entry::Occupied(e) => {
             let shadow = e.into_mut();
@@ -225,15 +233,12 @@ pub(crate) unsafe fn check(
             };
             if !refused(&mut *shadow, &batch)? {
                 // The slots the check let through were marked written on
-                // the device; bring every page's bits back.
-                let pages: Vec<PageRef> = (0..host.pages())
-                    .filter_map(|p| {
-                        let page = PageId(u32::try_from(p).ok()?);
-                        let (word, _) = host.record_words(page)?;
-                        Some(PageRef::new(page.0, word as u32))
-                    })
-                    .collect();
-                shadow.download_written(&host, &pages, step).map_err(&err)?;
+                // the device; bring every page's bits back, to the
+                // generation each page had when the shadow was uploaded
+                // (a page reallocated since gets none).
+                shadow
+                    .download_written(&host, &uploaded, step)
+                    .map_err(&err)?;
                 None
             } else {
                 let (starts, slots) = (

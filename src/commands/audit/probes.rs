@@ -93,22 +93,24 @@ impl Determinism {
     /// What `sequential` (sent one after another) and `concurrent` (sent
     /// at once) answers to one greedy request say.
     fn of(sequential: &[Completion], concurrent: &[Completion]) -> Self {
-        let agree = |outs: &[&Completion]| {
-            let mut distinct: Vec<&str> = outs.iter().map(|c| c.text.as_str()).collect();
-            distinct.sort_unstable();
-            distinct.dedup();
-            distinct.len()
+        // How many different texts `outs` answered.
+        let count_distinct = |outs: &[&Completion]| {
+            let mut texts: Vec<&str> = outs.iter().map(|c| c.text.as_str()).collect();
+            texts.sort_unstable();
+            texts.dedup();
+            texts.len()
         };
         let all: Vec<&Completion> = sequential.iter().chain(concurrent).collect();
         let served: Vec<&Completion> = all.iter().copied().filter(|c| c.served_text()).collect();
         let one_at_a_time: Vec<&Completion> =
             sequential.iter().filter(|c| c.served_text()).collect();
-        let distinct = agree(&served);
+        let distinct = count_distinct(&served);
         Determinism {
             requests: all.len(),
             distinct_outputs: distinct,
             deterministic: !served.is_empty() && distinct == 1,
-            deterministic_one_at_a_time: !one_at_a_time.is_empty() && agree(&one_at_a_time) == 1,
+            deterministic_one_at_a_time: !one_at_a_time.is_empty()
+                && count_distinct(&one_at_a_time) == 1,
         }
     }
 }
