@@ -24,6 +24,7 @@ use kvsan_sanitizer::abi::{
 use kvsan_sanitizer::{Verdict, ViolationKind};
 
 use crate::attach::{Attach, attach, sanitizer};
+use crate::buffers::DeviceBuffers;
 use crate::calls;
 use crate::error::ShimError;
 use crate::guard::{guarded, record, refused_calls, with_last_error};
@@ -642,7 +643,7 @@ pub unsafe extern "C" fn kvsan_check_block_table_device(
 ) -> AbiStatus {
     const CALL: &str = "kvsan_check_block_table_device";
     let arrays = calls::BatchArrays { owners, rows };
-    let buffers = calls::DeviceBuffers::BlockTable {
+    let buffers = DeviceBuffers::BlockTable {
         block_table,
         table_len,
         stride,
@@ -679,7 +680,7 @@ pub unsafe extern "C" fn kvsan_check_paged_csr_device(
 ) -> AbiStatus {
     const CALL: &str = "kvsan_check_paged_csr_device";
     let arrays = calls::BatchArrays { owners, rows };
-    let buffers = calls::DeviceBuffers::PagedCsr {
+    let buffers = DeviceBuffers::PagedCsr {
         indptr,
         indices,
         nnz,
@@ -717,7 +718,7 @@ pub unsafe extern "C" fn kvsan_check_req_to_token_device(
 ) -> AbiStatus {
     const CALL: &str = "kvsan_check_req_to_token_device";
     let arrays = calls::BatchArrays { owners, rows };
-    let buffers = calls::DeviceBuffers::ReqToToken {
+    let buffers = DeviceBuffers::ReqToToken {
         req_to_token,
         table_len,
         stride,
@@ -754,7 +755,7 @@ pub unsafe extern "C" fn kvsan_check_slot_mapping_device(
 ) -> AbiStatus {
     const CALL: &str = "kvsan_check_slot_mapping_device";
     let arrays = calls::BatchArrays { owners, rows };
-    let buffers = calls::DeviceBuffers::SlotMapping {
+    let buffers = DeviceBuffers::SlotMapping {
         query_start_loc,
         slot_mapping,
         tokens,

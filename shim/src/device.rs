@@ -28,7 +28,7 @@ use std::sync::{Mutex, PoisonError};
 use kvsan_kernels::cuda::{CudaError, CudaKernelShadow, CudaKernels, EngineBatch};
 use kvsan_sanitizer::{Owner, PageId, PageRef, PoolId, RequestId, Sanitizer, Verdict};
 
-use crate::calls::DeviceBuffers;
+use crate::buffers::DeviceBuffers;
 use crate::error::ShimError;
 
 /// One device's compiled kernels and its pools' device shadows.

@@ -15,6 +15,7 @@
 //! | `table` | the versioned hook table the engine looks up (its hooks generated from the list) |
 //! | `api` | the plain C functions of `include/kvsan.h` (those of the list's hooks generated from it) |
 //! | `calls` | argument checks, and one operation a hook of the list that both faces run |
+//! | `buffers` | the device buffers of a check over GPU memory |
 //! | `device` | the batch checks over CUDA device buffers (feature `cuda`) |
 //! | `guard` | panics caught at the boundary, refused calls printed and kept |
 //! | `error` | `ShimError` and its status codes |
@@ -30,6 +31,7 @@
 
 pub mod api;
 mod attach;
+mod buffers;
 mod calls;
 #[cfg(feature = "cuda")]
 mod device;
