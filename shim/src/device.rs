@@ -79,8 +79,10 @@ pub(crate) unsafe fn check(
     };
     let kernels = &device.kernels;
     kernels.synchronize_device().map_err(&err)?;
-    // Every page at the generation the upload below copies.
-    let uploaded: Vec<PageRef> = (0..host.pages())
+    // A store check brings written bits back: to every page at the
+    // generation the upload below copies. Reads need no such list.
+    let stores = matches!(buffers, DeviceBuffers::SlotMapping { .. });
+    let uploaded: Vec<PageRef> = (0..if stores { host.pages() } else { 0 })
         .filter_map(|p| {
             let page = PageId(u32::try_from(p).ok()?);
             let (word, _) = host.record_words(page)?;

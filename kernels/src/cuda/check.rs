@@ -151,37 +151,29 @@ impl EngineBatch<'_> {
 
     /// The per-row buffers must have one entry per row (offsets: one more).
     pub(super) fn check_rows(&self, rows: usize) -> Result<(), CudaError> {
-        let per_row: &[(&'static str, usize, usize)] = &match self {
-            EngineBatch::BlockTable { seq_lens, .. } => {
-                [("seq_lens", seq_lens.len(), rows), ("", 0, 0), ("", 0, 0)]
-            }
+        let per_row: Vec<(&'static str, usize, usize)> = match self {
+            EngineBatch::BlockTable { seq_lens, .. } => vec![("seq_lens", seq_lens.len(), rows)],
             EngineBatch::PagedCsr {
                 indptr,
                 last_page_len,
                 ..
-            } => [
+            } => vec![
                 ("indptr", indptr.len(), rows + 1),
                 ("last_page_len", last_page_len.len(), rows),
-                ("", 0, 0),
             ],
             EngineBatch::ReqToToken {
                 req_indices,
                 seq_lens,
                 ..
-            } => [
+            } => vec![
                 ("req_indices", req_indices.len(), rows),
                 ("seq_lens", seq_lens.len(), rows),
-                ("", 0, 0),
             ],
             EngineBatch::SlotMapping {
                 query_start_loc, ..
-            } => [
-                ("query_start_loc", query_start_loc.len(), rows + 1),
-                ("", 0, 0),
-                ("", 0, 0),
-            ],
+            } => vec![("query_start_loc", query_start_loc.len(), rows + 1)],
         };
-        for &(what, len, expected) in per_row {
+        for (what, len, expected) in per_row {
             if len != expected {
                 return Err(CudaError::Length {
                     what,
