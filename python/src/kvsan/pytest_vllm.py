@@ -1,0 +1,62 @@
+"""A pytest plugin that runs vLLM's own tests with kvsan attached.
+
+``pytest -p kvsan.pytest_vllm tests/v1/core/...`` (from a vLLM source
+tree) attaches :mod:`kvsan.vllm` before the first test. A test during which
+kvsan reports a violation fails with the findings (violation id, kind,
+block, request); the reports themselves go where ``KVSAN_OPTIONS`` says.
+The run ends with the adapter's counts and kvsan's summary line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+
+from . import vllm as _vllm
+
+_adapter: _vllm.Adapter | None = None
+_failed: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _adapter
+    if _adapter is None:
+        _adapter = _vllm.attach()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _adapter
+    if _adapter is not None:
+        _adapter.detach()
+        _adapter = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    assert _adapter is not None
+    _adapter.take_violations()
+    result = yield
+    found = _adapter.take_violations()
+    if found:
+        _failed.append(item.nodeid)
+        lines = "\n".join(f"  {f}" for f in found)
+        raise pytest.fail.Exception(f"kvsan: {len(found)} violation(s) while the test ran:\n{lines}", pytrace=False)
+    return result
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _adapter is None:
+        return
+    tr = terminalreporter
+    tr.section("kvsan")
+    tr.write_line(
+        f"kvsan.vllm: {_adapter.events} block events checked in {_adapter.checked_pools} pool(s), "
+        f"{len(_failed)} test(s) with violations, "
+        f"{_adapter.unchecked_blocks} partial-entry block(s) left unchecked"
+    )
+    for reason, n in sorted(_adapter.unchecked_pools.items()):
+        tr.write_line(f"  {n} pool(s) left unchecked: {reason}")
+    for nodeid in _failed:
+        tr.write_line(f"  violations in {nodeid}")
+    tr.write_line(_adapter.san.summary())

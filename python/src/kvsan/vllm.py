@@ -1,0 +1,660 @@
+"""kvsan for vLLM's v1 KV cache manager, attached without changing vLLM.
+
+:func:`attach` wraps, in place, the methods of vLLM's ``BlockPool``,
+``KVCacheManager``, ``KVCacheCoordinator`` and single-type managers through
+which KV blocks change hands, and reports each change to kvsan as it
+happens:
+
+==========================================  ==================================
+vLLM                                        kvsan
+==========================================  ==================================
+``BlockPool.get_new_blocks`` for a request  ``alloc`` (a new generation)
+``BlockPool.touch`` (a prefix-cache hit)    ``share`` with the request
+``BlockPool.free_blocks``                   ``free`` by the holder that lets go
+a block hash inserted (``cache_full_blocks``)  ``share`` with the prefix cache:
+                                            the block must be fully written
+a block hash removed (eviction, reset)      the prefix cache lets go
+``KVCacheManager.allocate_slots``           ``write`` of the tokens the step
+                                            computes, then ``read`` of the
+                                            block table the step attends over
+``KVCacheManager.free`` of a finished one   ``finished`` (``page-leak``)
+==========================================  ==================================
+
+Each vLLM ``BlockPool`` is one kvsan pool: a block is a page of
+``block_size`` token slots, one layer (the manager does not see layers).
+A request is a kvsan owner; its tenant is its ``cache_salt`` (none: 0), so
+kvsan's default isolation policy is vLLM's salt isolation.
+
+What is checked, and what is not:
+
+* full-attention groups (``FullAttentionManager``, ``SinkFullAttentionManager``)
+  whose block size is the hash block size: every written slot and every
+  read;
+* other groups on such a pool (sliding window, chunked local, cross
+  attention) keep their blocks' allocation, sharing and freeing checked,
+  but their blocks count as written whole when taken and their reads are
+  not checked;
+* pools beyond this model are left alone and counted in
+  :attr:`Adapter.unchecked_pools`: pools with Mamba groups (state blocks,
+  copied on write and checkpointed), HiSparse pools, pools whose blocks are
+  larger than the hash block (vLLM then caches partial entries inside a
+  block; kvsan shares whole pages only), and block pools of other kinds;
+* a block that still enters the prefix cache as a partial entry
+  (``cache_partial_block``) is left unchecked until the pool hands it out
+  again (:attr:`Adapter.unchecked_blocks`);
+* a reference vLLM takes on a block itself, not through the pool (a
+  copy-on-write endpoint kept until the copy ran), is let go unseen.
+
+Violations are returned by kvsan as verdicts; the adapter keeps them in
+:attr:`Adapter.violations` (what, block, request) and never changes what
+vLLM does, so a test sees vLLM's own behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import hashlib
+import inspect
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from ._abi import PREFIX_CACHE_REQUEST, Owner, PageRef
+from .sanitizer import KvsanError, Pool, Sanitizer, Verdict, attach as attach_sanitizer
+
+__all__ = ["Adapter", "Finding", "attach"]
+
+# kvsan keeps at most 256 pools: past this many, pools of dropped vLLM
+# managers are found and reused before a new one is registered.
+_RECYCLE_AT = 64
+
+# The kinds of manager whose blocks hold one token per slot and whose
+# attention reads every token before the current one.
+_TOKEN_MANAGERS = ("FullAttentionManager", "SinkFullAttentionManager")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One violation kvsan reported while vLLM ran."""
+
+    kind: str
+    violation: str
+    what: str
+    block: int | None
+    request: str | None
+
+    def __str__(self) -> str:
+        where = f" block {self.block}" if self.block is not None else ""
+        who = f" request {self.request}" if self.request is not None else ""
+        return f"{self.violation} {self.kind}: {self.what}{where}{who}"
+
+
+@dataclass
+class _Block:
+    ref: PageRef | None = None
+    owner: int = 0
+    # Who holds the block in vLLM's count, and which of them kvsan knows
+    # (a block left unchecked gains holders kvsan does not see).
+    holders: list[int] = field(default_factory=list)
+    known: list[int] = field(default_factory=list)
+    pending_free: list[int] = field(default_factory=list)
+    cache_held: bool = False
+    unchecked: bool = False
+
+
+class _PoolState:
+    """The kvsan pool behind one vLLM ``BlockPool``, and who holds what."""
+
+    def __init__(self, pool: Pool, pages: int, page_slots: int) -> None:
+        self.pool = pool
+        self.pages = pages
+        self.page_slots = page_slots
+        self.blocks: dict[int, _Block] = {}
+        # vLLM's request ids are unique within one engine, not across the
+        # engines (or tests) of a process: kvsan owners are per pool.
+        self.requests: dict[str, int] = {}
+
+    def block(self, block_id: int) -> _Block:
+        b = self.blocks.get(block_id)
+        if b is None:
+            b = self.blocks[block_id] = _Block()
+        return b
+
+
+class Adapter:
+    """kvsan attached to vLLM's KV cache manager (see the module's doc)."""
+
+    def __init__(self, san: Sanitizer) -> None:
+        self.san = san
+        self.violations: list[Finding] = []
+        self.unchecked_blocks = 0
+        self.events = 0
+        self._patches: list[tuple[type, str, Any]] = []
+        self._local = threading.local()
+        self._lock = threading.RLock()
+        self._pools: weakref.WeakKeyDictionary[Any, _PoolState] = weakref.WeakKeyDictionary()
+        # kvsan pools of vLLM pools that are gone, by page size: kvsan has
+        # no unregister, and a test session makes many pools.
+        self._spare: dict[int, list[tuple[int, Pool]]] = {}
+        self._names: dict[int, str] = {}
+        self._next_request = 1
+        self._tenants: dict[str, int] = {}
+        self._block_sizes: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+        self._dead: list[_PoolState] = []
+        self._registered = 0
+        self._pool_cls: type | None = None
+        self._unmodelled: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        #: vLLM pools checked, and those left unchecked by the reason.
+        self.checked_pools = 0
+        self.unchecked_pools: dict[str, int] = {}
+
+    # ---- attaching ----------------------------------------------------------
+
+    def attach(self) -> "Adapter":
+        """Wraps vLLM's methods (idempotent per adapter)."""
+        if self._patches:
+            return self
+        from vllm.v1.core import block_pool as bp
+        from vllm.v1.core import kv_cache_coordinator as kc
+        from vllm.v1.core import kv_cache_manager as km
+        from vllm.v1.core import single_type_kv_cache_manager as st
+
+        pool_cls = self._pool_cls = bp.BlockPool
+        self._wrap(pool_cls, "get_new_blocks", self._on_get_new_blocks)
+        self._wrap(pool_cls, "touch", self._on_touch)
+        self._wrap(pool_cls, "free_blocks", self._on_free_blocks)
+        self._wrap(pool_cls, "unpin_blocks", self._on_free_blocks, optional=True)
+        self._wrap(pool_cls, "_insert_block_hash", self._on_insert_hash)
+        self._wrap(pool_cls, "_remove_cached_block_hashes", self._on_remove_hashes)
+        self._wrap(pool_cls, "cache_partial_block", self._on_partial, optional=True)
+        self._wrap(km.KVCacheManager, "allocate_slots", self._on_allocate_slots)
+        self._allocate_slots = inspect.signature(vars(km.KVCacheManager)["allocate_slots"].__wrapped__)
+        self._wrap(km.KVCacheManager, "free", self._on_manager_free)
+        for cls in _subclasses(kc.KVCacheCoordinator):
+            if "allocate_new_blocks" in vars(cls):
+                self._wrap(cls, "allocate_new_blocks", self._on_allocate_new_blocks)
+        for cls in _subclasses(st.SingleTypeKVCacheManager):
+            if "__init__" in vars(cls):
+                self._wrap(cls, "__init__", self._on_manager_init)
+            for name, fn in list(vars(cls).items()):
+                if name.startswith("__") or not inspect.isfunction(fn):
+                    continue
+                params = list(inspect.signature(fn).parameters)
+                if len(params) > 1 and params[1] in ("request_id", "request"):
+                    self._wrap(cls, name, self._in_request)
+                if name == "pop_blocks_for_free":
+                    self._wrap(cls, name, self._on_pop_for_free)
+        return self
+
+    def detach(self) -> None:
+        """Puts vLLM's methods back."""
+        for cls, name, original in reversed(self._patches):
+            setattr(cls, name, original)
+        self._patches.clear()
+
+    def __enter__(self) -> "Adapter":
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def _wrap(self, cls: type, name: str, hook: Callable[..., Any], optional: bool = False) -> None:
+        original = vars(cls).get(name)
+        if original is None:
+            if optional:
+                return
+            import vllm
+
+            self.detach()
+            raise RuntimeError(
+                f"kvsan.vllm: vLLM {vllm.__version__} has no {cls.__name__}.{name}; "
+                "the adapter follows vLLM 0.33.0's KV cache manager"
+            )
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return hook(original, *args, **kwargs)
+
+        self._patches.append((cls, name, original))
+        setattr(cls, name, wrapper)
+
+    # ---- context: which request a pool call is for ---------------------------
+
+    def _stack(self) -> list[tuple[str, Any]]:
+        s = getattr(self._local, "stack", None)
+        if s is None:
+            s = self._local.stack = []
+        return s
+
+    def _steps(self) -> list[tuple[str, int, int, int]]:
+        """The ``allocate_slots`` calls under way: request, tokens local,
+        tokens computed before the step, tokens after it."""
+        s = getattr(self._local, "steps", None)
+        if s is None:
+            s = self._local.steps = []
+        return s
+
+    @property
+    def _current(self) -> tuple[str, Any] | None:
+        s = self._stack()
+        return s[-1] if s else None
+
+    def _in_request(self, original: Callable[..., Any], manager: Any, *a: Any, **kw: Any) -> Any:
+        who = a[0] if a else kw.get("request_id", kw.get("request"))
+        rid = who if isinstance(who, str) else getattr(who, "request_id", None)
+        if rid is None:
+            return original(manager, *a, **kw)
+        self._stack().append((rid, manager))
+        try:
+            return original(manager, *a, **kw)
+        finally:
+            self._stack().pop()
+
+    def _owner(self, st: _PoolState, rid: str) -> Owner:
+        n = st.requests.get(rid)
+        if n is None:
+            n = st.requests[rid] = self._next_request
+            self._names[n] = rid
+            self._next_request += 1
+            owner = Owner(n, self._tenants.get(rid, 0))
+            # The scheduler took it in: it may hold blocks now.
+            for event in ("queued", "admitted"):
+                self._note(self.san.request_event(owner, event, st.pool), f"the request is {event}", None, n)
+            return owner
+        return Owner(n, self._tenants.get(rid, 0))
+
+    def _anonymous(self) -> Owner:
+        """The holder of a block taken outside any request's call."""
+        n = self._next_request
+        self._next_request += 1
+        return Owner(n, 0)
+
+    def _request_name(self, n: int) -> str | None:
+        return self._names.get(n)
+
+    # ---- pools ---------------------------------------------------------------
+
+    def _on_manager_init(self, original: Callable[..., Any], manager: Any, *a: Any, **kw: Any) -> Any:
+        out = original(manager, *a, **kw)
+        pool = getattr(manager, "block_pool", None)
+        if pool is not None:
+            self._block_sizes.setdefault(pool, set()).add(manager.block_size)
+            reason = _unmodelled(manager, pool)
+            if reason is not None:
+                self._leave(pool, reason)
+        return out
+
+    def _leave(self, pool: Any, reason: str) -> None:
+        if pool not in self._unmodelled:
+            self._unmodelled[pool] = reason
+            self.unchecked_pools[reason] = self.unchecked_pools.get(reason, 0) + 1
+
+    def _state(self, block_pool: Any) -> _PoolState | None:
+        """The pool's state; ``None`` for a pool the adapter leaves alone."""
+        st = self._pools.get(block_pool)
+        if st is not None:
+            return st
+        if block_pool in self._unmodelled:
+            return None
+        if type(block_pool) is not self._pool_cls:
+            self._leave(block_pool, f"pools of another kind ({type(block_pool).__name__})")
+            return None
+        while self._dead:
+            self._retire(self._dead.pop())
+        sizes = self._block_sizes.get(block_pool) or {block_pool.hash_block_size}
+        pages = block_pool.num_gpu_blocks
+        try:
+            pool, pages, page_slots = self._kvsan_pool(pages, max(sizes))
+        except KvsanError:
+            # Blocks larger than kvsan's pages (context-parallel groups
+            # multiply the block size): each block is one slot, taken whole;
+            # allocation, sharing and freeing are still checked.
+            pool, pages, page_slots = self._kvsan_pool(pages, 1)
+        self.checked_pools += 1
+        st = _PoolState(pool, pages, page_slots)
+        self._pools[block_pool] = st
+        weakref.finalize(block_pool, self._dead.append, st)
+        return st
+
+    def _kvsan_pool(self, pages: int, page_slots: int) -> tuple[Pool, int, int]:
+        """A spare kvsan pool of this page size and enough pages, or a new one."""
+        for attempt in range(2):
+            spares = self._spare.get(page_slots, [])
+            for i, (n, pool) in enumerate(spares):
+                if n >= pages:
+                    del spares[i]
+                    return pool, n, page_slots
+            if attempt == 0 and self._registered >= _RECYCLE_AT:
+                # Many vLLM pools made and dropped (a test session): let
+                # the garbage collector find the dead ones.
+                gc.collect()
+                while self._dead:
+                    self._retire(self._dead.pop())
+        cap = 1 << max(0, (pages - 1).bit_length())
+        pool = self.san.register_pool(cap, page_slots, 1, node="vllm")
+        self._registered += 1
+        return pool, cap, page_slots
+
+    def _retire(self, st: _PoolState) -> None:
+        """A vLLM pool is gone: every holder lets go, and its kvsan pool
+        serves the next vLLM pool of its page size."""
+        for b in st.blocks.values():
+            if b.ref is None:
+                continue
+            for n in b.known:
+                st.pool.free(Owner(n, 0), b.ref)
+            if b.cache_held:
+                st.pool.free(Owner(PREFIX_CACHE_REQUEST, 0), b.ref)
+        self._spare.setdefault(st.page_slots, []).append((st.pages, st.pool))
+
+    def _state_of(self, default_pool: Any, block: Any) -> _PoolState | None:
+        return self._state(getattr(block, "pool", None) or default_pool)
+
+    def _slot_exact(self, st: _PoolState, manager: Any) -> bool:
+        return (
+            manager is not None
+            and type(manager).__name__ in _TOKEN_MANAGERS
+            and manager.block_size == st.page_slots
+        )
+
+    # ---- findings ------------------------------------------------------------
+
+    def _note(self, v: Verdict, what: str, block: int | None, n: int | None) -> None:
+        self.events += 1
+        if v.ok:
+            return
+        self.violations.append(
+            Finding(
+                kind=v.kind or "?",
+                violation=v.violation or "?",
+                what=what,
+                block=block,
+                request=None if n is None else (self._request_name(n) or f"#{n}"),
+            )
+        )
+
+    # ---- BlockPool -----------------------------------------------------------
+
+    def _on_get_new_blocks(self, original: Callable[..., Any], pool: Any, num: int) -> Any:
+        blocks = original(pool, num)
+        with self._lock:
+            cur = self._current
+            for blk in blocks:
+                st = self._state_of(pool, blk)
+                if st is None:
+                    continue
+                owner = self._owner(st, cur[0]) if cur else self._anonymous()
+                b = st.block(blk.block_id)
+                ref = st.pool.alloc(owner, blk.block_id)
+                self._note(ref.verdict, "taking a block", blk.block_id, owner.request)
+                if not ref.verdict.ok and b.ref is not None:
+                    continue
+                b.ref = PageRef(ref.page, ref.generation)
+                b.owner = owner.request
+                b.holders = [owner.request]
+                b.known = [owner.request]
+                b.pending_free = []
+                b.cache_held = False
+                b.unchecked = False
+                if not self._slot_exact(st, cur[1] if cur else None):
+                    v = st.pool.write(owner, b.ref, (0, st.page_slots))
+                    self._note(v, "a block taken whole", blk.block_id, owner.request)
+        return blocks
+
+    def _on_touch(self, original: Callable[..., Any], pool: Any, blocks: Any) -> Any:
+        blocks = list(blocks)
+        with self._lock:
+            cur = self._current
+            anonymous = self._anonymous()
+            for blk in blocks:
+                if blk.is_null:
+                    continue
+                st = self._state_of(pool, blk)
+                if st is None:
+                    continue
+                owner = self._owner(st, cur[0]) if cur else anonymous
+                b = st.block(blk.block_id)
+                b.holders.append(owner.request)
+                if b.unchecked or b.ref is None:
+                    continue
+                b.known.append(owner.request)
+                v = st.pool.share(b.ref, owner)
+                self._note(v, "a prefix-cache hit shares a block", blk.block_id, owner.request)
+        return original(pool, blocks)
+
+    def _on_free_blocks(self, original: Callable[..., Any], pool: Any, blocks: Any, *a: Any, **kw: Any) -> Any:
+        blocks = list(blocks)
+        with self._lock:
+            cur = self._current
+            for blk in blocks:
+                if blk.is_null or (getattr(blk, "pool", None) not in (None, pool)):
+                    continue  # another pool's blocks: its own call reports them
+                st = self._state_of(pool, blk)
+                if st is None:
+                    continue
+                b = st.block(blk.block_id)
+                if b.ref is None:
+                    continue
+                n = self._holder_letting_go(st, b, cur, blk.ref_cnt)
+                if n not in b.holders and blk.ref_cnt > len(b.holders):
+                    # vLLM took this reference itself, not through the pool
+                    # (a copy-on-write endpoint kept until the copy ran):
+                    # it goes as it came, unseen.
+                    continue
+                if n in b.holders:
+                    b.holders.remove(n)
+                    if n not in b.known:
+                        continue  # a holder of an unchecked block kvsan never saw
+                    b.known.remove(n)
+                # else no such holder: kvsan names the double or foreign free
+                v = st.pool.free(Owner(n, 0), b.ref)
+                self._note(v, "freeing a block", blk.block_id, n)
+        return original(pool, blocks, *a, **kw)
+
+    def _holder_letting_go(self, st: _PoolState, b: _Block, cur: tuple[str, Any] | None, refs: int) -> int:
+        """Who drops a reference: the request whose call this is; else one
+        whose blocks were popped for a deferred free; else, if vLLM counts
+        more references than the pool handed out, one of those (-1); else
+        the last holder."""
+        if cur is not None:
+            return self._owner(st, cur[0]).request
+        if b.pending_free:
+            return b.pending_free.pop()
+        if refs > len(b.holders):
+            return -1
+        if b.holders:
+            return b.holders[-1]
+        # No one holds it: a free of a free block. Its last owner frees it
+        # again, which kvsan names.
+        return b.owner
+
+    def _on_insert_hash(self, original: Callable[..., Any], pool: Any, key: Any, blk: Any, *a: Any, **kw: Any) -> Any:
+        out = original(pool, key, blk, *a, **kw)
+        with self._lock:
+            st = self._state_of(pool, blk)
+            if st is None:
+                return out
+            b = st.block(blk.block_id)
+            if getattr(self._local, "partial", False):
+                if not b.unchecked:
+                    b.unchecked = True
+                    self.unchecked_blocks += 1
+                return out
+            if b.cache_held or b.unchecked or b.ref is None or blk.block_hash is None:
+                return out
+            v = st.pool.share(b.ref, Owner(PREFIX_CACHE_REQUEST, 0))
+            self._note(v, "registering a block in the prefix cache", blk.block_id, b.holders[0] if b.holders else None)
+            b.cache_held = v.ok
+        return out
+
+    def _on_remove_hashes(self, original: Callable[..., Any], pool: Any, blk: Any) -> Any:
+        removed = original(pool, blk)
+        if removed:
+            with self._lock:
+                st = self._state_of(pool, blk)
+                b = None if st is None else st.block(blk.block_id)
+                if st is not None and b is not None and b.cache_held and b.ref is not None:
+                    b.cache_held = False
+                    v = st.pool.free(Owner(PREFIX_CACHE_REQUEST, 0), b.ref)
+                    self._note(v, "evicting a block from the prefix cache", blk.block_id, None)
+        return removed
+
+    def _on_partial(self, original: Callable[..., Any], pool: Any, *a: Any, **kw: Any) -> Any:
+        self._local.partial = True
+        try:
+            return original(pool, *a, **kw)
+        finally:
+            self._local.partial = False
+
+    # ---- managers ------------------------------------------------------------
+
+    def _on_pop_for_free(self, original: Callable[..., Any], manager: Any, request_id: str) -> Any:
+        blocks = self._in_request(original, manager, request_id)
+        with self._lock:
+            for blk in blocks:
+                if blk.is_null:
+                    continue
+                st = self._state_of(manager.block_pool, blk)
+                if st is not None:
+                    st.block(blk.block_id).pending_free.append(self._owner(st, request_id).request)
+        return blocks
+
+    def _on_allocate_slots(self, original: Callable[..., Any], kvm: Any, request: Any, num_new_tokens: int, *a: Any, **kw: Any) -> Any:
+        salt = getattr(request, "cache_salt", None)
+        self._tenants[request.request_id] = _tenant(salt) if salt else 0
+        bound = self._allocate_slots.bind(kvm, request, num_new_tokens, *a, **kw)
+        bound.apply_defaults()
+        args = bound.arguments
+        local = request.num_computed_tokens + args["num_new_computed_tokens"]
+        total = min(local + args["num_external_computed_tokens"], kvm.max_model_len)
+        step = (request.request_id, local, total, total + num_new_tokens)
+        steps = self._steps()
+        steps.append(step)
+        try:
+            out = original(kvm, request, num_new_tokens, *a, **kw)
+        finally:
+            steps.pop()
+        if out is not None and num_new_tokens > 0:
+            with self._lock:
+                self._read(kvm, request.request_id, total + num_new_tokens)
+        return out
+
+    def _on_allocate_new_blocks(self, original: Callable[..., Any], coord: Any, request_id: str, *a: Any, **kw: Any) -> Any:
+        out = original(coord, request_id, *a, **kw)
+        steps = self._steps()
+        step = steps[-1] if steps else None
+        if step is not None and step[0] == request_id:
+            _, local, total, end = step
+            with self._lock:
+                # The connector's tokens land, then the step computes its own.
+                self._write(coord.single_type_managers, request_id, local, end)
+        return out
+
+    def _write(self, managers: Any, rid: str, start: int, end: int) -> None:
+        for m in managers:
+            st = self._state(m.block_pool)
+            if st is None or not self._slot_exact(st, m):
+                continue
+            owner = self._owner(st, rid)
+            blocks = m.req_to_blocks.get(rid) or []
+            size = m.block_size
+            for i in range(start // size, min(len(blocks), -(-end // size))):
+                blk = blocks[i]
+                if blk.is_null:
+                    continue
+                b = st.block(blk.block_id)
+                if b.unchecked or b.ref is None:
+                    continue
+                lo, hi = max(start, i * size) - i * size, min(end, (i + 1) * size) - i * size
+                if lo >= hi:
+                    continue
+                v = st.pool.write(owner, b.ref, (lo, hi))
+                self._note(v, "the step computes tokens into a block", blk.block_id, owner.request)
+
+    def _read(self, kvm: Any, rid: str, tokens: int) -> None:
+        for m in kvm.coordinator.single_type_managers:
+            st = self._state(m.block_pool)
+            if st is None or not self._slot_exact(st, m):
+                continue
+            owner = self._owner(st, rid)
+            blocks = (m.req_to_blocks.get(rid) or [])[: -(-tokens // m.block_size)]
+            for first, refs, n in _segments(st, blocks, tokens, m.block_size):
+                v = st.pool.read(owner, refs, n)
+                self._note(v, "the step's attention reads its block table", first, owner.request)
+
+    def _on_manager_free(self, original: Callable[..., Any], kvm: Any, request: Any) -> Any:
+        out = original(kvm, request)
+        with self._lock:
+            tenant = self._tenants.pop(request.request_id, 0)
+            pools = {id(m.block_pool): m.block_pool for m in kvm.coordinator.single_type_managers}
+            for block_pool in pools.values():
+                st = self._pools.get(block_pool)
+                n = None if st is None else st.requests.pop(request.request_id, None)
+                if st is not None and n is not None and request.is_finished():
+                    v = self.san.request_event(Owner(n, tenant), "finished", st.pool)
+                    self._note(v, "the request finished", None, n)
+                if n is not None:
+                    self._names.pop(n, None)
+        return out
+
+    # ---- results -------------------------------------------------------------
+
+    def take_violations(self) -> list[Finding]:
+        """The violations since the last call."""
+        out, self.violations = self.violations, []
+        return out
+
+
+
+def _segments(st: _PoolState, blocks: list[Any], tokens: int, size: int) -> Iterator[tuple[int, list[PageRef], int]]:
+    """The runs of checked blocks in a table, each with the tokens read."""
+    run: list[PageRef] = []
+    first = 0
+    start = 0
+    for i, blk in enumerate(blocks):
+        b = None if blk.is_null else st.blocks.get(blk.block_id)
+        if b is None or b.unchecked or b.ref is None:
+            if run:
+                yield first, run, min(tokens, i * size) - start
+            run = []
+            continue
+        if not run:
+            first, start = blk.block_id, i * size
+        run.append(b.ref)
+    if run:
+        yield first, run, tokens - start
+
+
+def _unmodelled(manager: Any, pool: Any) -> str | None:
+    """Why a manager's pool is beyond the adapter's model, if it is."""
+    kind = type(manager).__name__
+    if "Mamba" in kind:
+        return "Mamba state blocks (copied on write, checkpointed)"
+    if "HiSparse" in kind:
+        return "HiSparse host and resident pools"
+    if manager.block_size != pool.hash_block_size:
+        return "blocks larger than the hash block (fine-grained partial hits)"
+    return None
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
+def _tenant(salt: str) -> int:
+    """A tenant id for a cache salt: the same salt, the same tenant."""
+    return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:4], "little") or 1
+
+
+def attach(san: Sanitizer | None = None) -> Adapter:
+    """kvsan attached to vLLM in this process (the shim as
+    :func:`kvsan.attach` finds it). Detach with :meth:`Adapter.detach`, or
+    use the adapter as a context manager."""
+    return Adapter(san or attach_sanitizer()).attach()

@@ -1,0 +1,206 @@
+"""kvsan.vllm on vLLM's own KV cache manager: clean runs pass, and known
+vLLM bug classes, re-created here by patching vLLM, are caught.
+
+Needs vLLM installed (``pip install vllm``; CPU is enough): skipped without.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+import kvsan  # noqa: E402
+import kvsan.vllm  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def adapter() -> Iterator[kvsan.vllm.Adapter]:
+    a = kvsan.vllm.attach()
+    yield a
+    a.detach()
+
+
+@pytest.fixture
+def found(adapter: kvsan.vllm.Adapter) -> Iterator[list[kvsan.vllm.Finding]]:
+    """The violations the test's own vLLM calls made."""
+    adapter.take_violations()
+    out: list[kvsan.vllm.Finding] = []
+    yield out
+
+
+def take(adapter: kvsan.vllm.Adapter, found: list[kvsan.vllm.Finding]) -> list[str]:
+    found.extend(adapter.take_violations())
+    return [f.kind for f in found]
+
+
+def manager(num_blocks: int = 12) -> KVCacheManager:
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    return KVCacheManager(
+        config, max_model_len=8192, enable_caching=True, hash_block_size=BLOCK, scheduler_block_size=BLOCK
+    )
+
+
+def request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=8)
+    params.update_from_generation_config({}, eos_token_id=100)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(BLOCK, sha256, 0),
+    )
+
+
+def schedule(m: KVCacheManager, req: Request, num_new_tokens: int | None = None) -> Any:
+    """One step of the scheduler for ``req``: look up the prefix cache (on
+    its first step), allocate, and count the step's tokens computed."""
+    hit, hit_tokens = m.empty_kv_cache_blocks, 0
+    if req.num_computed_tokens == 0:
+        hit, hit_tokens, _ = m.get_computed_blocks(req)
+    n = num_new_tokens if num_new_tokens is not None else req.num_tokens - req.num_computed_tokens - hit_tokens
+    blocks = m.allocate_slots(req, n, hit_tokens, hit)
+    assert blocks is not None
+    req.num_computed_tokens += hit_tokens + n
+    return blocks
+
+
+def finish(m: KVCacheManager, req: Request) -> None:
+    req.status = RequestStatus.FINISHED_STOPPED
+    m.free(req)
+
+
+PROMPT = [7] * 16 + [8] * 16 + [9] * 8  # two full blocks and half of a third
+
+
+def test_a_shared_prefix_under_chunked_prefill_has_no_violation(adapter: Any, found: list[Any]) -> None:
+    m = manager()
+    a = request("a", PROMPT)
+    schedule(m, a, 20)  # a chunk that ends inside the second block
+    schedule(m, a)  # the rest of the prompt
+    b = request("b", PROMPT[:32] + [5] * 4)
+    schedule(m, b)
+    assert b.num_computed_tokens == 36
+    assert m.block_pool.blocks[m.get_block_ids("b")[0][0]] is m.block_pool.blocks[m.get_block_ids("a")[0][0]]
+    finish(m, a)
+    finish(m, b)
+    c = request("c", PROMPT)  # hits the blocks after their writers are gone
+    schedule(m, c)
+    finish(m, c)
+    assert take(adapter, found) == []
+    assert adapter.events > 0
+
+
+def test_a_block_cached_before_the_step_that_writes_it_is_caught(
+    adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM #37152's class: a block enters the prefix cache before its KV is
+    computed. Here the manager caches the whole prompt while the step
+    computes only its first chunk; the half-computed second block is
+    registered, and a second request takes it as a hit."""
+    m = manager()
+    real = m.coordinator.cache_blocks
+
+    def cache_whole_prompt(req: Request, num_tokens: int) -> None:
+        real(req, req.num_tokens)
+
+    monkeypatch.setattr(m.coordinator, "cache_blocks", cache_whole_prompt)
+    a = request("a", PROMPT)
+    schedule(m, a, 20)
+    kinds = take(adapter, found)
+    assert kinds == ["unwritten-share"], found
+    assert "registering a block in the prefix cache" in found[0].what
+    assert found[0].request == "a"
+    # What vLLM does with it: the next request reads the half-written block.
+    b = request("b", PROMPT[:32] + [5] * 4)
+    hit, hit_tokens, _ = m.get_computed_blocks(b)
+    assert hit_tokens == 32
+
+
+def test_a_block_freed_twice_is_caught(adapter: Any, found: list[Any]) -> None:
+    """vLLM #42571's class: a request's blocks go back to the pool twice
+    (a deferred free applied again)."""
+    m = manager()
+    a = request("a", PROMPT)
+    schedule(m, a)
+    blocks = m.coordinator.pop_blocks_for_free("a")
+    m.block_pool.free_blocks(reversed(blocks))
+    assert take(adapter, found) == []
+    m.block_pool.free_blocks(reversed(blocks[-1:]))  # the tail block, again
+    kinds = take(adapter, found)
+    assert kinds == ["double-free"], found
+    assert found[0].block == blocks[-1].block_id
+
+
+def test_a_block_freed_while_a_running_request_holds_it_is_caught(
+    adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A free that ignores the other holders of a shared prefix block: the
+    block goes back to the pool while a running request still reads it,
+    and the pool hands it to a third request."""
+    m = manager(num_blocks=8)
+    a = request("a", PROMPT)
+    schedule(m, a)
+    b = request("b", PROMPT[:32] + [5] * 4)
+    schedule(m, b)
+
+    def free_ignoring_holders(pool: BlockPool, blocks: Any) -> None:
+        blocks = list(blocks)
+        for blk in blocks:
+            if not blk.is_null:
+                blk.ref_cnt = 1
+        BlockPool.free_blocks(pool, blocks)
+
+    monkeypatch.setattr(m.block_pool, "free_blocks", free_ignoring_holders.__get__(m.block_pool))
+    finish(m, a)
+    assert take(adapter, found) == []
+    monkeypatch.undo()
+    shared = m.get_block_ids("b")[0][0]
+    c = request("c", [3] * 96)  # needs every free block, the shared ones too
+    taken = schedule(m, c)
+    assert shared in taken.get_block_ids()[0]
+    kinds = take(adapter, found)
+    assert "double-alloc" in kinds, found
+    assert any(f.block == shared and f.request == "c" for f in found)
+
+
+def test_a_request_that_ends_holding_blocks_is_a_page_leak(adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    m = manager()
+    a = request("a", PROMPT)
+    schedule(m, a)
+    monkeypatch.setattr(m.coordinator, "free", lambda rid: None)
+    finish(m, a)
+    assert take(adapter, found) == ["page-leak"], found
+
+
+def test_requests_of_different_cache_salts_share_nothing(adapter: Any, found: list[Any]) -> None:
+    m = manager()
+    a = request("a", PROMPT, salt="tenant-1")
+    schedule(m, a)
+    b = request("b", PROMPT, salt="tenant-2")
+    schedule(m, b)
+    assert b.num_computed_tokens == len(PROMPT)
+    assert set(m.get_block_ids("a")[0]).isdisjoint(m.get_block_ids("b")[0])
+    assert take(adapter, found) == []
