@@ -10,7 +10,8 @@ from typing import Any, Iterator
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
+# The module, not a directory of that name on the path: the real vLLM.
+pytest.importorskip("vllm.v1.core.kv_cache_manager")
 
 import torch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
