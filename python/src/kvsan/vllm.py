@@ -52,8 +52,6 @@ vLLM does, so a test sees vLLM's own behaviour.
 
 from __future__ import annotations
 
-import functools
-import gc
 import hashlib
 import inspect
 import threading
@@ -62,33 +60,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ._abi import PREFIX_CACHE_REQUEST, Owner, PageRef
-from .sanitizer import KvsanError, Pool, Sanitizer, Verdict, attach as attach_sanitizer
+from ._hooks import Finding, Hooks, subclasses
+from .sanitizer import KvsanError, Pool, Sanitizer, attach as attach_sanitizer
 
 __all__ = ["Adapter", "Finding", "attach"]
-
-# kvsan keeps at most 256 pools: past this many, pools of dropped vLLM
-# managers are found and reused before a new one is registered.
-_RECYCLE_AT = 64
 
 # The kinds of manager whose blocks hold one token per slot and whose
 # attention reads every token before the current one.
 _TOKEN_MANAGERS = ("FullAttentionManager", "SinkFullAttentionManager")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One violation kvsan reported while vLLM ran."""
-
-    kind: str
-    violation: str
-    what: str
-    block: int | None
-    request: str | None
-
-    def __str__(self) -> str:
-        where = f" block {self.block}" if self.block is not None else ""
-        who = f" request {self.request}" if self.request is not None else ""
-        return f"{self.violation} {self.kind}: {self.what}{where}{who}"
 
 
 @dataclass
@@ -123,27 +102,22 @@ class _PoolState:
         return b
 
 
-class Adapter:
+class Adapter(Hooks):
     """kvsan attached to vLLM's KV cache manager (see the module's doc)."""
 
+    engine = "vllm"
+    follows = "vLLM 0.33.0's KV cache manager"
+
     def __init__(self, san: Sanitizer) -> None:
-        self.san = san
-        self.violations: list[Finding] = []
+        super().__init__(san)
         self.unchecked_blocks = 0
-        self.events = 0
-        self._patches: list[tuple[type, str, Any]] = []
         self._local = threading.local()
         self._lock = threading.RLock()
         self._pools: weakref.WeakKeyDictionary[Any, _PoolState] = weakref.WeakKeyDictionary()
-        # kvsan pools of vLLM pools that are gone, by page size: kvsan has
-        # no unregister, and a test session makes many pools.
-        self._spare: dict[int, list[tuple[int, Pool]]] = {}
         self._names: dict[int, str] = {}
         self._next_request = 1
         self._tenants: dict[str, int] = {}
         self._block_sizes: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
-        self._dead: list[_PoolState] = []
-        self._registered = 0
         self._pool_cls: type | None = None
         self._unmodelled: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         #: vLLM pools checked, and those left unchecked by the reason.
@@ -172,10 +146,10 @@ class Adapter:
         self._wrap(km.KVCacheManager, "allocate_slots", self._on_allocate_slots)
         self._allocate_slots = inspect.signature(vars(km.KVCacheManager)["allocate_slots"].__wrapped__)
         self._wrap(km.KVCacheManager, "free", self._on_manager_free)
-        for cls in _subclasses(kc.KVCacheCoordinator):
+        for cls in subclasses(kc.KVCacheCoordinator):
             if "allocate_new_blocks" in vars(cls):
                 self._wrap(cls, "allocate_new_blocks", self._on_allocate_new_blocks)
-        for cls in _subclasses(st.SingleTypeKVCacheManager):
+        for cls in subclasses(st.SingleTypeKVCacheManager):
             if "__init__" in vars(cls):
                 self._wrap(cls, "__init__", self._on_manager_init)
             for name, fn in list(vars(cls).items()):
@@ -187,38 +161,6 @@ class Adapter:
                 if name == "pop_blocks_for_free":
                     self._wrap(cls, name, self._on_pop_for_free)
         return self
-
-    def detach(self) -> None:
-        """Puts vLLM's methods back."""
-        for cls, name, original in reversed(self._patches):
-            setattr(cls, name, original)
-        self._patches.clear()
-
-    def __enter__(self) -> "Adapter":
-        return self.attach()
-
-    def __exit__(self, *exc: object) -> None:
-        self.detach()
-
-    def _wrap(self, cls: type, name: str, hook: Callable[..., Any], optional: bool = False) -> None:
-        original = vars(cls).get(name)
-        if original is None:
-            if optional:
-                return
-            import vllm
-
-            self.detach()
-            raise RuntimeError(
-                f"kvsan.vllm: vLLM {vllm.__version__} has no {cls.__name__}.{name}; "
-                "the adapter follows vLLM 0.33.0's KV cache manager"
-            )
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return hook(original, *args, **kwargs)
-
-        self._patches.append((cls, name, original))
-        setattr(cls, name, wrapper)
 
     # ---- context: which request a pool call is for ---------------------------
 
@@ -301,41 +243,21 @@ class Adapter:
         if type(block_pool) is not self._pool_cls:
             self._leave(block_pool, f"pools of another kind ({type(block_pool).__name__})")
             return None
-        while self._dead:
-            self._retire(self._dead.pop())
         sizes = self._block_sizes.get(block_pool) or {block_pool.hash_block_size}
-        pages = block_pool.num_gpu_blocks
+        page_slots = max(sizes)
         try:
-            pool, pages, page_slots = self._kvsan_pool(pages, max(sizes))
+            pool, pages = self._kvsan_pool(block_pool.num_gpu_blocks, page_slots)
         except KvsanError:
             # Blocks larger than kvsan's pages (context-parallel groups
             # multiply the block size): each block is one slot, taken whole;
             # allocation, sharing and freeing are still checked.
-            pool, pages, page_slots = self._kvsan_pool(pages, 1)
+            page_slots = 1
+            pool, pages = self._kvsan_pool(block_pool.num_gpu_blocks, page_slots)
         self.checked_pools += 1
         st = _PoolState(pool, pages, page_slots)
         self._pools[block_pool] = st
-        weakref.finalize(block_pool, self._dead.append, st)
+        self._watch(block_pool, st)
         return st
-
-    def _kvsan_pool(self, pages: int, page_slots: int) -> tuple[Pool, int, int]:
-        """A spare kvsan pool of this page size and enough pages, or a new one."""
-        for attempt in range(2):
-            spares = self._spare.get(page_slots, [])
-            for i, (n, pool) in enumerate(spares):
-                if n >= pages:
-                    del spares[i]
-                    return pool, n, page_slots
-            if attempt == 0 and self._registered >= _RECYCLE_AT:
-                # Many vLLM pools made and dropped (a test session): let
-                # the garbage collector find the dead ones.
-                gc.collect()
-                while self._dead:
-                    self._retire(self._dead.pop())
-        cap = 1 << max(0, (pages - 1).bit_length())
-        pool = self.san.register_pool(cap, page_slots, 1, node="vllm")
-        self._registered += 1
-        return pool, cap, page_slots
 
     def _retire(self, st: _PoolState) -> None:
         """A vLLM pool is gone: every holder lets go, and its kvsan pool
@@ -347,7 +269,7 @@ class Adapter:
                 st.pool.free(Owner(n, 0), b.ref)
             if b.cache_held:
                 st.pool.free(Owner(PREFIX_CACHE_REQUEST, 0), b.ref)
-        self._spare.setdefault(st.page_slots, []).append((st.pages, st.pool))
+        self._spare_pool(st.page_slots, st.pages, st.pool)
 
     def _state_of(self, default_pool: Any, block: Any) -> _PoolState | None:
         return self._state(getattr(block, "pool", None) or default_pool)
@@ -357,22 +279,6 @@ class Adapter:
             manager is not None
             and type(manager).__name__ in _TOKEN_MANAGERS
             and manager.block_size == st.page_slots
-        )
-
-    # ---- findings ------------------------------------------------------------
-
-    def _note(self, v: Verdict, what: str, block: int | None, n: int | None) -> None:
-        self.events += 1
-        if v.ok:
-            return
-        self.violations.append(
-            Finding(
-                kind=v.kind or "?",
-                violation=v.violation or "?",
-                what=what,
-                block=block,
-                request=None if n is None else (self._request_name(n) or f"#{n}"),
-            )
         )
 
     # ---- BlockPool -----------------------------------------------------------
@@ -599,14 +505,6 @@ class Adapter:
                     self._names.pop(n, None)
         return out
 
-    # ---- results -------------------------------------------------------------
-
-    def take_violations(self) -> list[Finding]:
-        """The violations since the last call."""
-        out, self.violations = self.violations, []
-        return out
-
-
 
 def _segments(st: _PoolState, blocks: list[Any], tokens: int, size: int) -> Iterator[tuple[int, list[PageRef], int]]:
     """The runs of checked blocks in a table, each with the tokens read."""
@@ -637,15 +535,6 @@ def _unmodelled(manager: Any, pool: Any) -> str | None:
     if manager.block_size != pool.hash_block_size:
         return "blocks larger than the hash block (fine-grained partial hits)"
     return None
-
-
-def _subclasses(cls: type) -> list[type]:
-    out, todo = [], [cls]
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo.extend(c.__subclasses__())
-    return out
 
 
 def _tenant(salt: str) -> int:
