@@ -54,8 +54,19 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
     let shim = shim_common::shim_library();
     let out = std::env::temp_dir().join(format!("kvsan-bench-quick-{}", std::process::id()));
     let shim_arg = shim.display().to_string();
-    // One kernel thread per timed run (KVSAN_THREADS), recorded in the JSON.
-    let doc = run_quick(&["--shim", &shim_arg, "--threads", "1"], &out);
+    // One kernel thread per timed run (KVSAN_THREADS), recorded in the JSON;
+    // the interleaved processes and the variants alternated in one process.
+    let doc = run_quick(
+        &[
+            "--shim",
+            &shim_arg,
+            "--threads",
+            "1",
+            "--count",
+            "time,paired",
+        ],
+        &out,
+    );
 
     assert_eq!(doc["rounds"], 1);
     assert_eq!(doc["threads"], 1);
@@ -105,6 +116,39 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
             assert_eq!(ci[1].as_f64(), Some(med), "{r}");
         }
     }
+    // Alternated in one process: every variant served every segment, with
+    // its own hook target (checks only where there is a sanitizer), and
+    // one ratio per segment per pair, its interval around its median.
+    let paired = &doc["paired"];
+    assert_eq!(paired["rounds"], 1, "{paired}");
+    let segments = paired["segments"].as_u64().expect("segments") as usize;
+    assert!(segments >= 2, "{paired}");
+    for v in paired["variants"].as_array().expect("paired variants") {
+        let rounds = v["rounds"].as_array().expect("rounds");
+        assert_eq!(rounds.len(), 1, "{v}");
+        assert_eq!(rounds[0].as_array().map(Vec::len), Some(segments), "{v}");
+        assert!(v["cpu_seconds"].as_f64().unwrap() > 0.0, "{v}");
+        let checks = v["checks"].as_u64().unwrap();
+        assert_eq!(checks == 0, v["name"] == "off", "{v}");
+    }
+    let paired_pairs: Vec<&str> = paired["ratios"]
+        .as_array()
+        .expect("paired ratios")
+        .iter()
+        .map(|r| {
+            let s = &r["cpu_time"];
+            assert_eq!(s["values"].as_array().map(Vec::len), Some(segments), "{r}");
+            let (lo, med, hi) = (
+                s["ci95"][0].as_f64().unwrap(),
+                s["median"].as_f64().unwrap(),
+                s["ci95"][1].as_f64().unwrap(),
+            );
+            assert!(lo > 0.0 && lo <= med && med <= hi, "{r}");
+            r["pair"].as_str().expect("pair")
+        })
+        .collect();
+    assert_eq!(paired_pairs, ["debug/off", "shim/off"]);
+
     let k = &doc["kernel_check"];
     assert!(k["ratio"]["median"].as_f64().unwrap() > 0.0, "{k}");
 
@@ -112,7 +156,8 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
     let from_file: Value = serde_json::from_str(&json).expect("JSON file parses");
     assert_eq!(from_file["variants"], doc["variants"]);
     let svg = std::fs::read_to_string(out.join("overhead.svg")).expect("SVG file");
-    assert!(svg.starts_with("<svg") && svg.matches("<circle").count() == 2);
+    // Two pairs measured two ways: four medians drawn.
+    assert!(svg.starts_with("<svg") && svg.matches("<circle").count() == 4);
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -226,4 +271,23 @@ fn quick_instruction_counts_are_attributed_and_repeatable() {
         "{first} then {second} instructions"
     );
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn an_alternating_workload_refuses_a_hook_target_listed_twice() {
+    let output = Command::new(env!("CARGO_BIN_EXE_kvsan"))
+        .args(["bench", "workload", "--alternate", "none,in-process,none"])
+        .output()
+        .expect("kvsan runs");
+    assert!(!output.status.success());
+    // The CLI's error goes out as JSON on stdout.
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        said.contains("--alternate lists the hook target `none` twice"),
+        "{said}"
+    );
 }

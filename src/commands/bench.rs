@@ -6,7 +6,8 @@
 //! | file | what lives there |
 //! | --- | --- |
 //! | `bench/overhead.rs` | the prebuilt variants run interleaved: table, JSON, plot |
-//! | `bench/workload.rs` | one serving workload, measured from the client's side |
+//! | `bench/overhead/paired.rs` | the variants alternated inside one process per round |
+//! | `bench/workload.rs` | one serving workload, measured from the client's side; or alternated over hook targets |
 //! | `bench/child.rs` | a workload run as a child process, its peak RSS from `wait4` |
 //! | `bench/kernel.rs` | checked vs unchecked paged attention on CPU |
 //! | `bench/latency.rs` | one client, trivial requests through real `kvsan serve` processes |

@@ -65,13 +65,24 @@ pub const BOOTSTRAP_RESAMPLES: usize = 4000;
 impl Spread {
     /// The spread of `values` (all zero when empty).
     pub fn of(values: Vec<f64>) -> Spread {
+        let singles: Vec<Vec<f64>> = values.into_iter().map(|v| vec![v]).collect();
+        Spread::of_clusters(&singles)
+    }
+
+    /// The spread of values measured in clusters (the servings of one
+    /// process): the median of them all, and an interval that resamples the
+    /// clusters and then the values within each chosen one (a two-level
+    /// bootstrap), so that what clusters share is not counted as agreement.
+    /// `values` lists them cluster by cluster.
+    pub fn of_clusters(clusters: &[Vec<f64>]) -> Spread {
+        let values: Vec<f64> = clusters.iter().flatten().copied().collect();
         let mut sorted = values.clone();
         sorted.sort_by(f64::total_cmp);
         Spread {
             min: sorted.first().copied().unwrap_or(0.0),
             median: median(&sorted),
             max: sorted.last().copied().unwrap_or(0.0),
-            ci95: median_ci95(&values),
+            ci95: clustered_median_ci95(clusters),
             values,
         }
     }
@@ -85,20 +96,32 @@ impl Spread {
     }
 }
 
-/// The percentile-bootstrap 95 % interval of the median of `values`.
-fn median_ci95(values: &[f64]) -> [f64; 2] {
+/// The 95 % interval of the median of the values of `clusters`: each
+/// resample draws as many clusters as there are, with replacement, and from
+/// each drawn cluster as many of its values, with replacement. Clusters of
+/// one value make it the ordinary percentile bootstrap.
+fn clustered_median_ci95(clusters: &[Vec<f64>]) -> [f64; 2] {
     use rand::{RngExt, SeedableRng};
-    match values {
+    let clusters: Vec<&Vec<f64>> = clusters.iter().filter(|c| !c.is_empty()).collect();
+    match clusters.as_slice() {
         [] => return [0.0; 2],
-        [v] => return [*v; 2],
+        [c] if c.len() == 1 => return [c[0]; 2],
         _ => {}
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b76_7361_6e00_0095);
-    let mut sample = vec![0.0; values.len()];
+    let mut sample = Vec::new();
     let mut medians: Vec<f64> = (0..BOOTSTRAP_RESAMPLES)
         .map(|_| {
-            for s in &mut sample {
-                *s = values[rng.random_range(0..values.len())];
+            sample.clear();
+            for _ in 0..clusters.len() {
+                let c = clusters[rng.random_range(0..clusters.len())];
+                if let [v] = c.as_slice() {
+                    sample.push(*v);
+                } else {
+                    for _ in 0..c.len() {
+                        sample.push(c[rng.random_range(0..c.len())]);
+                    }
+                }
             }
             sample.sort_by(f64::total_cmp);
             median(&sample)
@@ -311,6 +334,30 @@ mod tests {
         // A fixed seed: the same values give the same interval.
         let again = Spread::of(vec![0.90, 1.15, 0.97, 1.10, 1.01, 0.93, 1.08]);
         assert_eq!(again.ci95, wide.ci95);
+    }
+
+    #[test]
+    fn clustered_values_count_their_clusters_disagreement() {
+        // Two processes that each agree with themselves but not with each
+        // other: pooled as independent values the interval would be
+        // narrow; resampling the processes keeps it as wide as they differ.
+        let a: Vec<f64> = (0..20).map(|i| 0.95 + f64::from(i % 2) * 0.001).collect();
+        let b: Vec<f64> = (0..20).map(|i| 1.05 + f64::from(i % 2) * 0.001).collect();
+        let clustered = Spread::of_clusters(&[a.clone(), b.clone()]);
+        let pooled = Spread::of([a.clone(), b].concat());
+        assert_eq!(clustered.values, pooled.values);
+        assert_eq!(clustered.median, pooled.median);
+        assert!(
+            clustered.ci95[0] < 0.96 && clustered.ci95[1] > 1.04,
+            "{clustered:?}"
+        );
+        // One cluster: its values are all there is to resample.
+        let one = Spread::of_clusters(&[a]);
+        assert!(one.ci95_half_width() < 0.001, "{one:?}");
+        // Clusters of one value: the ordinary bootstrap, the same interval.
+        let values = vec![0.90, 1.15, 0.97, 1.10, 1.01, 0.93, 1.08];
+        let singles: Vec<Vec<f64>> = values.iter().map(|v| vec![*v]).collect();
+        assert_eq!(Spread::of_clusters(&singles).ci95, Spread::of(values).ci95);
     }
 
     #[test]

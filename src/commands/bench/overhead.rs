@@ -19,6 +19,10 @@
 //! past `--rounds` until every pair's CPU-time ratio is known to ±1 % (the
 //! interval's half-width) or the budget is spent.
 //!
+//! `--count paired` alternates the variants inside one process per round
+//! ([`paired`]): the per-process differences in CPU time, far larger on a
+//! shared machine than the overhead measured, cancel in each ratio.
+//!
 //! `--count instructions` runs each variant once more per counted workload
 //! under cachegrind ([`super::instructions`]): instruction counts and their
 //! ratios, repeatable on any machine, with the instructions spent in the
@@ -34,6 +38,8 @@ use serde_json::json;
 
 use super::child;
 use super::instructions;
+
+mod paired;
 use super::kernel::{self, KernelCheck, Spread, median};
 use super::plot;
 use super::workload::Measured;
@@ -51,10 +57,14 @@ pub struct Args {
     #[arg(long, value_name = "SECS")]
     pub budget: Option<u64>,
     /// What to measure: `time` (interleaved rounds: elapsed and CPU time,
-    /// tokens/s, TTFT, TPOT, peak RSS) and/or `instructions` (one run per
-    /// variant under Valgrind's cachegrind).
+    /// tokens/s, TTFT, TPOT, peak RSS), `paired` (CPU time of the variants
+    /// alternated inside one process per round) and/or `instructions` (one
+    /// run per variant under Valgrind's cachegrind).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Count::Time])]
     pub count: Vec<Count>,
+    /// Servings of each variant per `paired` round (one process).
+    #[arg(long, default_value_t = 20)]
+    pub segments: usize,
     /// One round of the synthetic-model workload only, no warm-up (a smoke check).
     #[arg(long)]
     pub quick: bool,
@@ -100,6 +110,8 @@ pub struct Args {
 pub enum Count {
     /// Elapsed and CPU time, over interleaved rounds.
     Time,
+    /// CPU time of the variants alternated inside one process per round.
+    Paired,
     /// Instructions executed, under cachegrind.
     Instructions,
 }
@@ -360,6 +372,58 @@ fn synthetic(
     }
 }
 
+/// The `bench workload` arguments of SmolLM2 on `topology` (with
+/// `--model` when given).
+fn smollm2_args(args: &Args, topology: &str) -> Vec<String> {
+    let mut a = strings(&["--model-kind", "smollm2", "--topology", topology]);
+    if let Some(m) = &args.model {
+        a.push("--model".into());
+        a.push(m.display().to_string());
+    }
+    a
+}
+
+/// The short workloads of the counted and paired runs: the synthetic model
+/// unified and disaggregated (`synthetic` requests, `synthetic_short` in
+/// the short run, then `small`), and SmolLM2 unified (`smollm2`, its short
+/// run `smollm2_short`).
+fn short_workloads(
+    synthetic_requests: &str,
+    synthetic_short: &str,
+    small: &[String],
+    smollm2: Vec<String>,
+    smollm2_short: Vec<String>,
+) -> Vec<Workload> {
+    let with = |mut w: Workload| {
+        w.args.extend_from_slice(small);
+        w.short_args.extend_from_slice(small);
+        w
+    };
+    vec![
+        with(synthetic(
+            "unified",
+            "synthetic-unified",
+            synthetic_requests,
+            synthetic_short,
+            &[],
+        )),
+        with(synthetic(
+            "disagg",
+            "synthetic-disagg",
+            synthetic_requests,
+            synthetic_short,
+            &[],
+        )),
+        Workload {
+            name: "smollm2-unified",
+            model: "SmolLM2-135M Q4_1",
+            topology: "unified",
+            args: smollm2,
+            short_args: smollm2_short,
+        },
+    ]
+}
+
 fn workloads(args: &Args) -> Vec<Workload> {
     let s = strings;
     let synthetic = |topology, name| synthetic(topology, name, "64", "8", &[]);
@@ -368,11 +432,7 @@ fn workloads(args: &Args) -> Vec<Workload> {
     }
     let requests = args.requests.to_string();
     let smollm2 = |topology: &'static str, name: &'static str| {
-        let mut a = s(&["--model-kind", "smollm2", "--topology", topology]);
-        if let Some(m) = &args.model {
-            a.push("--model".into());
-            a.push(m.display().to_string());
-        }
+        let mut a = smollm2_args(args, topology);
         // Warm-up: load the model into the page cache, start the threads.
         let mut warm = a.clone();
         warm.extend(s(&["--requests", "2"]));
@@ -612,6 +672,29 @@ fn ratio_reports(
     out
 }
 
+/// Whether to run round `rounds + 1` after `--rounds`: while `unresolved`
+/// ratios (of kind `what`) are not resolved and `--budget` lasts, saying so.
+fn another_round(
+    args: &Args,
+    started: std::time::Instant,
+    rounds: usize,
+    unresolved: usize,
+    what: &str,
+) -> bool {
+    match args.budget.map(std::time::Duration::from_secs) {
+        Some(b) if unresolved > 0 && started.elapsed() < b => {
+            eprintln!(
+                "kvsan bench: {unresolved} {what} ratio(s) not yet within ±1 %: round {} ({:.0} s of the {} s budget spent)",
+                rounds + 1,
+                started.elapsed().as_secs_f64(),
+                b.as_secs()
+            );
+            true
+        }
+        _ => false,
+    }
+}
+
 /// Interleaved rounds: `--rounds` of them, then more while `--budget`
 /// lasts and a pair's CPU-time ratio is not resolved.
 fn timed(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Timed> {
@@ -632,19 +715,12 @@ fn timed(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Timed> {
     let mut rounds = 0;
     loop {
         if rounds >= min_rounds {
-            let budget = args.budget.map(std::time::Duration::from_secs);
             let unresolved = ratio_reports(&workloads, prepared, &runs)
                 .iter()
                 .filter(|r| !r.resolved_to_1pct)
                 .count();
-            match budget {
-                Some(b) if unresolved > 0 && started.elapsed() < b => eprintln!(
-                    "kvsan bench: {unresolved} CPU-time ratio(s) not yet within ±1 %: round {} ({:.0} s of the {} s budget spent)",
-                    rounds + 1,
-                    started.elapsed().as_secs_f64(),
-                    b.as_secs()
-                ),
-                _ => break,
+            if !another_round(args, started, rounds, unresolved, "CPU-time") {
+                break;
             }
         }
         rounds += 1;
@@ -720,31 +796,16 @@ fn counted_workloads(args: &Args) -> Vec<Workload> {
         let w = synthetic("unified", "synthetic-unified", "2", "1", &[]);
         return vec![with(w, &shape("64", "4", "8"))];
     }
-    let small = shape("256", "16", "32");
-    let mut smollm2 = strings(&["--model-kind", "smollm2", "--topology", "unified"]);
-    if let Some(m) = &args.model {
-        smollm2.push("--model".into());
-        smollm2.push(m.display().to_string());
-    }
+    let mut smollm2 = smollm2_args(args, "unified");
     smollm2.extend(shape("24", "2", "4"));
     let requests = |n: &str| strings(&["--requests", n]);
-    vec![
-        with(
-            synthetic("unified", "synthetic-unified", "8", "1", &[]),
-            &small,
-        ),
-        with(
-            synthetic("disagg", "synthetic-disagg", "8", "1", &[]),
-            &small,
-        ),
-        Workload {
-            name: "smollm2-unified",
-            model: "SmolLM2-135M Q4_1",
-            topology: "unified",
-            args: [smollm2.clone(), requests("3")].concat(),
-            short_args: [smollm2, requests("1")].concat(),
-        },
-    ]
+    short_workloads(
+        "8",
+        "1",
+        &shape("256", "16", "32"),
+        [smollm2.clone(), requests("3")].concat(),
+        [smollm2, requests("1")].concat(),
+    )
 }
 
 /// What the counted runs found.
@@ -902,6 +963,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     } else {
         None
     };
+    let paired = if args.count.contains(&Count::Paired) {
+        Some(paired::paired(args, &prepared)?)
+    } else {
+        None
+    };
     let counted = if args.count.contains(&Count::Instructions) {
         Some(counted(args, &prepared, &out_dir)?)
     } else {
@@ -928,25 +994,57 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         doc["ratios"] = json!(t.ratios);
         doc["kernel_check"] = json!(t.kernel);
         doc["plot"] = json!(svg_path);
-        let columns: Vec<plot::Column<'_>> = t
-            .ratios
-            .iter()
-            .map(|r| plot::Column {
-                workload: r.workload,
-                pair: &r.pair,
-                low: r.cpu_time.ci95[0],
-                median: r.cpu_time.median,
-                high: r.cpu_time.ci95[1],
-                target: r.target,
-            })
-            .collect();
+        text.push_str(&table(&t.variants, &t.ratios, &t.kernel, t.rounds));
+    }
+    if let Some(p) = &paired {
+        doc["paired"] = json!({
+            "workloads": describe(&p.workloads),
+            "rounds": p.rounds,
+            "segments": p.segments,
+            "budget_s": args.budget,
+            "threads": args.threads.map_or(1, std::num::NonZeroUsize::get),
+            "variants": p.variants,
+            "ratios": p.ratios,
+        });
+        doc["plot"] = json!(svg_path);
+        text.push_str(&paired::table(p));
+    }
+    let column = |workload, pair, s: &Spread, target| plot::Column {
+        workload,
+        pair,
+        low: s.ci95[0],
+        median: s.median,
+        high: s.ci95[1],
+        target,
+    };
+    let mut columns = Vec::new();
+    let mut what = Vec::new();
+    if let Some(t) = &timed {
+        columns.extend(
+            t.ratios
+                .iter()
+                .map(|r| column(r.workload, &r.pair, &r.cpu_time, r.target)),
+        );
+        what.push(format!("{} round(s) of separate processes", t.rounds));
+    }
+    if let Some(p) = &paired {
+        columns.extend(
+            p.ratios
+                .iter()
+                .map(|r| column(r.workload, &r.label, &r.cpu_time, r.target)),
+        );
+        what.push(format!(
+            "{} process(es) of {} alternated segments",
+            p.rounds, p.segments
+        ));
+    }
+    if !columns.is_empty() {
         let title = format!(
-            "kvsan overhead: CPU-time ratio to the unsanitized build, median and 95 % interval, {} round(s)",
-            t.rounds
+            "kvsan overhead: CPU-time ratio to the unsanitized build, median and 95 % interval; {}",
+            what.join("; ")
         );
         std::fs::write(&svg_path, plot::svg(&title, &columns))
             .with_context(|| format!("writing {}", svg_path.display()))?;
-        text.push_str(&table(&t.variants, &t.ratios, &t.kernel, t.rounds));
     }
     if let Some(c) = &counted {
         doc["instructions"] = json!({
@@ -964,7 +1062,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&doc)?);
     } else {
         print!("{text}");
-        let plot = if timed.is_some() {
+        let plot = if timed.is_some() || paired.is_some() {
             format!(" and {}", svg_path.display())
         } else {
             String::new()

@@ -98,6 +98,30 @@ pub struct Args {
     /// Seed of the request shapes and prompt tokens.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Serve the workload once with each of these hook targets per segment,
+    /// all in this process, each on a new engine over the one loaded model,
+    /// and report the CPU time of each (`--attach` is then unused).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub alternate: Vec<Attach>,
+    /// Segments of `--alternate`: each serves the workload once per hook
+    /// target, their order rotated by one from segment to segment.
+    #[arg(long, default_value_t = 1)]
+    pub segments: usize,
+}
+
+/// What an `--alternate` run measured (the child's stdout).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Alternated {
+    /// The hook target each `--alternate` entry got, in that order.
+    pub hooks: Vec<String>,
+    /// CPU seconds (user + system, the whole process) of each serving:
+    /// `[segment][entry]`, entries in `--alternate` order whatever order
+    /// they ran in.
+    pub cpu_seconds: Vec<Vec<f64>>,
+    /// Checks each entry's hook target performed, over all its segments.
+    pub checks: Vec<u64>,
+    /// Tokens each serving generated (the same for every entry).
+    pub output_tokens: usize,
 }
 
 /// What one workload run measured (the child's stdout).
@@ -216,7 +240,7 @@ fn check_args(args: &Args) -> anyhow::Result<()> {
 }
 
 /// The hooks and attention check for `attach`.
-fn hooks(attach: Attach) -> anyhow::Result<(Hooks, AttentionCheck)> {
+fn hooks_for(attach: Attach) -> anyhow::Result<(Hooks, AttentionCheck)> {
     Ok(match attach {
         Attach::Environment => {
             let hooks = Hooks::from_environment().context("choosing the hook target")?;
@@ -252,6 +276,36 @@ fn ms(d: Duration) -> f64 {
 /// Bad arguments, a model that does not load, an engine that does not start,
 /// or a request that fails.
 pub fn measure(args: &Args) -> anyhow::Result<Measured> {
+    let (model, ids, context) = load(args)?;
+    let (hooks, check) = hooks_for(args.attach)?;
+    let target = hooks.target();
+    let engine = start(args, model, context, &hooks, check)?;
+    let requests = requests(args, ids);
+    let (timings, seconds) = serve(&engine, &requests, args.in_flight)?;
+    engine.shutdown();
+    hooks.print_summary();
+
+    let output_tokens: usize = timings.iter().map(|t| t.tokens).sum();
+    let mut ttft: Vec<f64> = timings.iter().map(|t| ms(t.ttft)).collect();
+    ttft.sort_by(f64::total_cmp);
+    let mut tpot: Vec<f64> = timings.iter().filter_map(|t| t.tpot.map(ms)).collect();
+    tpot.sort_by(f64::total_cmp);
+    Ok(Measured {
+        hooks: target.name().to_string(),
+        requests: requests.len(),
+        prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
+        output_tokens,
+        seconds,
+        tokens_per_s: output_tokens as f64 / seconds,
+        ttft_p50_ms: percentile(&ttft, 50.0),
+        ttft_p99_ms: percentile(&ttft, 99.0),
+        tpot_p50_ms: percentile(&tpot, 50.0),
+    })
+}
+
+/// The workload's model, loaded after its arguments are checked: the model,
+/// the prompt ids to draw from, the workload's context.
+fn load(args: &Args) -> anyhow::Result<(Arc<Model>, std::ops::Range<u32>, usize)> {
     check_args(args)?;
     let (model, ids, context) = match args.model_kind {
         ModelKind::Synthetic => {
@@ -277,12 +331,20 @@ pub fn measure(args: &Args) -> anyhow::Result<Measured> {
             args.new_max
         );
     }
-    let model = Arc::new(model);
-    let (hooks, check) = hooks(args.attach)?;
-    let target = hooks.target();
+    Ok((Arc::new(model), ids, context))
+}
+
+/// An engine of the workload's topology over `model` with `hooks`.
+fn start(
+    args: &Args,
+    model: Arc<Model>,
+    context: usize,
+    hooks: &Hooks,
+    check: AttentionCheck,
+) -> anyhow::Result<Engine> {
     // Pools hold every in-flight request at its longest: no preemption, so
     // every variant computes the same steps.
-    let pool = (args.in_flight * longest).max(context);
+    let pool = (args.in_flight * (args.prompt_max + args.new_max)).max(context);
     let cfg = EngineConfig {
         context: Some(context),
         pool_tokens: Some(pool),
@@ -293,30 +355,91 @@ pub fn measure(args: &Args) -> anyhow::Result<Measured> {
         hooks: hooks.clone(),
         ..EngineConfig::default()
     };
-    let engine = match args.topology {
+    Ok(match args.topology {
         Topology::Unified => Engine::unified(model, &cfg)?,
         Topology::Disagg => Engine::disaggregated(model, &cfg)?,
-    };
-    let requests = requests(args, ids);
-    let (timings, seconds) = serve(&engine, &requests, args.in_flight)?;
-    engine.shutdown();
-    hooks.print_summary();
+    })
+}
 
-    let output_tokens: usize = timings.iter().map(|t| t.tokens).sum();
-    let mut ttft: Vec<f64> = timings.iter().map(|t| ms(t.ttft)).collect();
-    ttft.sort_by(f64::total_cmp);
-    let mut tpot: Vec<f64> = timings.iter().filter_map(|t| t.tpot.map(ms)).collect();
-    tpot.sort_by(f64::total_cmp);
-    Ok(Measured {
-        hooks: target.name().to_string(),
-        requests: requests.len(),
-        prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
+/// CPU seconds this process has used, user and system, all its threads
+/// (ended ones included).
+fn process_cpu_seconds() -> anyhow::Result<f64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one rusage into the pointer it is given,
+    // which points at one.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error()).context("getrusage");
+    }
+    // SAFETY: getrusage succeeded, so it wrote the struct.
+    let usage = unsafe { usage.assume_init() };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    Ok(secs(usage.ru_utime) + secs(usage.ru_stime))
+}
+
+/// Serves the workload `--segments` times with each `--alternate` hook
+/// target in this one process, and measures each serving's CPU time: the
+/// variants then share the process's memory placement and the machine's
+/// moment, which differ far more between processes than between
+/// neighbouring servings of one process.
+///
+/// # Errors
+/// As [`measure`]; also no `--segments`, or an entry listed twice.
+pub fn alternate(args: &Args) -> anyhow::Result<Alternated> {
+    let entries = &args.alternate;
+    if args.segments == 0 {
+        bail!("--segments must be at least 1");
+    }
+    if let Some(twice) = (1..entries.len()).find(|&i| entries[..i].contains(&entries[i])) {
+        let name = clap::ValueEnum::to_possible_value(&entries[twice])
+            .map_or_else(String::new, |v| v.get_name().to_string());
+        bail!("--alternate lists the hook target `{name}` twice");
+    }
+    let (model, ids, context) = load(args)?;
+    let requests = requests(args, ids);
+    let mut hooks = Vec::with_capacity(entries.len());
+    let mut checks_before = Vec::with_capacity(entries.len());
+    for &a in entries {
+        let (h, check) = hooks_for(a)?;
+        checks_before.push(h.counters().map_or(0, |c| c.checks));
+        hooks.push((h, check));
+    }
+    let mut cpu_seconds = Vec::with_capacity(args.segments);
+    let mut output_tokens = 0;
+    for segment in 0..args.segments {
+        let mut row = vec![0.0; entries.len()];
+        for k in 0..entries.len() {
+            let i = (segment + k) % entries.len();
+            let (h, check) = &hooks[i];
+            let before = process_cpu_seconds()?;
+            let engine = start(args, model.clone(), context, h, *check)?;
+            let (timings, _) = serve(&engine, &requests, args.in_flight)?;
+            engine.shutdown();
+            row[i] = process_cpu_seconds()? - before;
+            let tokens: usize = timings.iter().map(|t| t.tokens).sum();
+            if (segment > 0 || k > 0) && tokens != output_tokens {
+                bail!(
+                    "a serving with hook target {} generated {tokens} tokens, the ones before it {output_tokens}",
+                    h.target().name()
+                );
+            }
+            output_tokens = tokens;
+        }
+        cpu_seconds.push(row);
+    }
+    let checks = hooks
+        .iter()
+        .zip(checks_before)
+        .map(|((h, _), before)| h.counters().map_or(0, |c| c.checks - before))
+        .collect();
+    Ok(Alternated {
+        hooks: hooks
+            .iter()
+            .map(|(h, _)| h.target().name().to_string())
+            .collect(),
+        cpu_seconds,
+        checks,
         output_tokens,
-        seconds,
-        tokens_per_s: output_tokens as f64 / seconds,
-        ttft_p50_ms: percentile(&ttft, 50.0),
-        ttft_p99_ms: percentile(&ttft, 99.0),
-        tpot_p50_ms: percentile(&tpot, 50.0),
     })
 }
 
@@ -396,8 +519,11 @@ fn one(engine: &Engine, request: Request) -> anyhow::Result<Timing> {
 /// # Errors
 /// As [`measure`].
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let measured = measure(args)?;
-    println!("{}", serde_json::to_string(&measured)?);
+    if args.alternate.is_empty() {
+        println!("{}", serde_json::to_string(&measure(args)?)?);
+    } else {
+        println!("{}", serde_json::to_string(&alternate(args)?)?);
+    }
     Ok(())
 }
 
