@@ -121,7 +121,9 @@ fn quick_overhead_reports_checks_per_variant_and_ratios_per_pair() {
     // one ratio per segment per pair, its interval around its median.
     let paired = &doc["paired"];
     assert_eq!(paired["rounds"], 1, "{paired}");
-    let segments = paired["segments"].as_u64().expect("segments") as usize;
+    let segments = paired["segments"]["synthetic-unified"]
+        .as_u64()
+        .expect("segments") as usize;
     assert!(segments >= 2, "{paired}");
     for v in paired["variants"].as_array().expect("paired variants") {
         let rounds = v["rounds"].as_array().expect("rounds");

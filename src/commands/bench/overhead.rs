@@ -62,8 +62,10 @@ pub struct Args {
     /// run per variant under Valgrind's cachegrind).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Count::Time])]
     pub count: Vec<Count>,
-    /// Servings of each variant per `paired` round (one process).
-    #[arg(long, default_value_t = 20)]
+    /// Segments of a `paired` round (one process) on SmolLM2: each serves
+    /// one wave of requests with every variant. The synthetic workloads,
+    /// whose waves are far shorter, serve 4 times as many.
+    #[arg(long, default_value_t = 30)]
     pub segments: usize,
     /// One round of the synthetic-model workload only, no warm-up (a smoke check).
     #[arg(long)]
@@ -1000,7 +1002,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         doc["paired"] = json!({
             "workloads": describe(&p.workloads),
             "rounds": p.rounds,
-            "segments": p.segments,
+            "segments": p
+                .workloads
+                .iter()
+                .zip(&p.segments)
+                .map(|(w, n)| (w.name.to_string(), json!(n)))
+                .collect::<serde_json::Map<_, _>>(),
             "budget_s": args.budget,
             "threads": args.threads.map_or(1, std::num::NonZeroUsize::get),
             "variants": p.variants,
@@ -1033,10 +1040,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 .iter()
                 .map(|r| column(r.workload, &r.label, &r.cpu_time, r.target)),
         );
-        what.push(format!(
-            "{} process(es) of {} alternated segments",
-            p.rounds, p.segments
-        ));
+        what.push(format!("{} process(es) of alternated segments", p.rounds));
     }
     if !columns.is_empty() {
         let title = format!(

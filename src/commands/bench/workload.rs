@@ -98,13 +98,15 @@ pub struct Args {
     /// Seed of the request shapes and prompt tokens.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
-    /// Serve the workload once with each of these hook targets per segment,
-    /// all in this process, each on a new engine over the one loaded model,
-    /// and report the CPU time of each (`--attach` is then unused).
+    /// Serve the workload with each of these hook targets, all in this
+    /// process, one engine per target over the one loaded model, wave by
+    /// wave, and report the CPU time of each serving (`--attach` is then
+    /// unused).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub alternate: Vec<Attach>,
-    /// Segments of `--alternate`: each serves the workload once per hook
-    /// target, their order rotated by one from segment to segment.
+    /// Segments of `--alternate`: each serves the next `--in-flight`
+    /// requests of the workload (a wave) once per hook target, their order
+    /// rotated by one from segment to segment.
     #[arg(long, default_value_t = 1)]
     pub segments: usize,
 }
@@ -114,13 +116,14 @@ pub struct Args {
 pub struct Alternated {
     /// The hook target each `--alternate` entry got, in that order.
     pub hooks: Vec<String>,
-    /// CPU seconds (user + system, the whole process) of each serving:
-    /// `[segment][entry]`, entries in `--alternate` order whatever order
-    /// they ran in.
+    /// CPU seconds (user + system, the whole process) of each serving of a
+    /// wave: `[segment][entry]`, entries in `--alternate` order whatever
+    /// order they ran in.
     pub cpu_seconds: Vec<Vec<f64>>,
     /// Checks each entry's hook target performed, over all its segments.
     pub checks: Vec<u64>,
-    /// Tokens each serving generated (the same for every entry).
+    /// Tokens each entry generated over all its segments (the same for
+    /// every entry: each wave must generate the same tokens every time).
     pub output_tokens: usize,
 }
 
@@ -377,11 +380,13 @@ fn process_cpu_seconds() -> anyhow::Result<f64> {
     Ok(secs(usage.ru_utime) + secs(usage.ru_stime))
 }
 
-/// Serves the workload `--segments` times with each `--alternate` hook
-/// target in this one process, and measures each serving's CPU time: the
-/// variants then share the process's memory placement and the machine's
-/// moment, which differ far more between processes than between
-/// neighbouring servings of one process.
+/// Serves the workload in `--segments` waves of `--in-flight` requests
+/// (cycling through the requests) with each `--alternate` hook target in
+/// this one process, one running engine per target, and measures each
+/// serving's CPU time: the variants then share the process's memory
+/// placement and the machine's moment, which differ far more between
+/// processes, and between servings seconds apart, than between
+/// neighbouring servings milliseconds apart.
 ///
 /// # Errors
 /// As [`measure`]; also no `--segments`, or an entry listed twice.
@@ -404,28 +409,43 @@ pub fn alternate(args: &Args) -> anyhow::Result<Alternated> {
         checks_before.push(h.counters().map_or(0, |c| c.checks));
         hooks.push((h, check));
     }
+    // Each target's engine serves every segment: what a serving costs is
+    // then the steady state of a running server, not the start of one.
+    let engines = hooks
+        .iter()
+        .map(|(h, check)| start(args, model.clone(), context, h, *check))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // The workload in waves of `--in-flight` requests served together; a
+    // segment serves the next wave with every target.
+    let waves: Vec<&[Request]> = requests.chunks(args.in_flight.max(1)).collect();
+    let mut wave_tokens: Vec<Option<usize>> = vec![None; waves.len()];
     let mut cpu_seconds = Vec::with_capacity(args.segments);
     let mut output_tokens = 0;
     for segment in 0..args.segments {
+        let wave = segment % waves.len();
         let mut row = vec![0.0; entries.len()];
         for k in 0..entries.len() {
             let i = (segment + k) % entries.len();
-            let (h, check) = &hooks[i];
+            let (h, _) = &hooks[i];
             let before = process_cpu_seconds()?;
-            let engine = start(args, model.clone(), context, h, *check)?;
-            let (timings, _) = serve(&engine, &requests, args.in_flight)?;
-            engine.shutdown();
+            let (timings, _) = serve(&engines[i], waves[wave], args.in_flight)?;
             row[i] = process_cpu_seconds()? - before;
             let tokens: usize = timings.iter().map(|t| t.tokens).sum();
-            if (segment > 0 || k > 0) && tokens != output_tokens {
+            let expected = *wave_tokens[wave].get_or_insert(tokens);
+            if tokens != expected {
                 bail!(
-                    "a serving with hook target {} generated {tokens} tokens, the ones before it {output_tokens}",
+                    "wave {wave} generated {tokens} tokens with hook target {}, {expected} before",
                     h.target().name()
                 );
             }
-            output_tokens = tokens;
+            if k == 0 {
+                output_tokens += tokens;
+            }
         }
         cpu_seconds.push(row);
+    }
+    for engine in engines {
+        engine.shutdown();
     }
     let checks = hooks
         .iter()

@@ -3,18 +3,21 @@
 //! memory placement and the machine's moment.
 //!
 //! On a shared virtual machine, the same binary doing the same work takes
-//! CPU time that differs by ±10–15 % from one process to the next, so the
-//! ratios of separate processes need hundreds of rounds to resolve 1 %.
-//! Here each round is one process of the `off` binary — under `LD_PRELOAD`
-//! of the shim when `shim` is measured — which loads the model once and
-//! then, `--segments` times, serves the workload once per variant, each on a
-//! new engine: `off` with no hooks, `debug` with the in-process sanitizer
-//! and the checked kernel attached at run time (what `--features sanitize`
-//! selects at compile time), `shim` with the preloaded shim's hook table.
-//! The order rotates by one from segment to segment. Each serving's CPU time
-//! (user + system of the process, across it) gives a ratio per segment; the
-//! interval of their median resamples the processes, then the segments
-//! within each ([`Spread::of_clusters`]).
+//! CPU time that differs by ±10–15 % from one process to the next, and
+//! drifts by as much within one process over seconds, so the ratios of
+//! separate processes need hundreds of rounds to resolve 1 %. Here each
+//! round is one process of the `off` binary — under `LD_PRELOAD` of the
+//! shim when `shim` is measured — which loads the model once, starts one
+//! engine per variant (`off` with no hooks, `debug` with the in-process
+//! sanitizer and the checked kernel attached at run time, what `--features
+//! sanitize` selects at compile time, `shim` with the preloaded shim's hook
+//! table) and then, segment by segment, serves the next wave of requests
+//! (`--in-flight` of them, together) once per variant, the order rotated
+//! by one from segment to segment. A wave takes milliseconds, so the
+//! servings a segment compares are milliseconds apart. Each serving's CPU
+//! time (user + system of the process, across it) gives a ratio per
+//! segment; the interval of their median resamples the processes, then the
+//! segments within each ([`Spread::of_clusters`]).
 
 use std::ffi::OsString;
 use std::fmt::Write as _;
@@ -30,31 +33,46 @@ use super::{
     strings, synthetic,
 };
 
-/// The workloads alternated: short servings, so that a process holds many
-/// segments.
-pub(super) fn workloads(args: &Args) -> Vec<Workload> {
+/// How many more segments a synthetic workload serves per round than
+/// SmolLM2: its waves take about a twentieth of the CPU time.
+const SYNTHETIC_SEGMENTS: usize = 4;
+
+/// The workloads alternated, with their segments per round: short waves,
+/// so that a process holds many segments and neighbouring servings are
+/// milliseconds apart.
+pub(super) fn workloads(args: &Args) -> Vec<(Workload, usize)> {
     let small = strings(&["--in-flight", "4", "--prompt-max", "256"]);
     if args.quick {
         let mut w = synthetic("unified", "synthetic-unified", "8", "8", &[]);
         w.args.extend(small);
-        return vec![w];
+        return vec![(w, 3)];
     }
     let mut smollm2 = smollm2_args(args, "unified");
     smollm2.extend(strings(&[
         "--requests",
-        "2",
+        "4",
         "--in-flight",
-        "1",
+        "4",
         "--prompt-min",
-        "32",
+        "8",
         "--prompt-max",
-        "64",
+        "16",
         "--new-min",
         "8",
         "--new-max",
         "8",
     ]));
     short_workloads("16", "16", &small, smollm2.clone(), smollm2)
+        .into_iter()
+        .map(|w| {
+            let n = if w.name.starts_with("synthetic") {
+                args.segments * SYNTHETIC_SEGMENTS
+            } else {
+                args.segments
+            };
+            (w, n)
+        })
+        .collect()
 }
 
 /// A variant's figures on a workload, over every segment of every round.
@@ -89,7 +107,8 @@ pub(super) struct PairedRatio {
 /// What the paired rounds found.
 pub(super) struct Paired {
     pub workloads: Vec<Workload>,
-    pub segments: usize,
+    /// Segments per round of each workload.
+    pub segments: Vec<usize>,
     pub rounds: usize,
     pub variants: Vec<PairedVariant>,
     pub ratios: Vec<PairedRatio>,
@@ -136,7 +155,7 @@ fn ratios(
     out
 }
 
-/// One round of `w`: a child process serving it `--segments` times per
+/// One round of `w`: a child process serving `segments` waves per
 /// variant, checked to have used each variant's hook target.
 fn one_round(
     args: &Args,
@@ -200,9 +219,8 @@ pub(super) fn paired(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Paire
         bail!("the paired rounds need the off variant first");
     }
     let started = std::time::Instant::now();
-    let workloads = workloads(args);
-    let segments = if args.quick { 3 } else { args.segments };
-    if segments < 2 {
+    let (workloads, segments): (Vec<Workload>, Vec<usize>) = workloads(args).into_iter().unzip();
+    if segments.iter().any(|&n| n < 2) {
         bail!("--segments must be at least 2: one segment gives no interval within a round");
     }
     let min_rounds = if args.quick { 1 } else { args.rounds };
@@ -220,6 +238,7 @@ pub(super) fn paired(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Paire
         }
         rounds += 1;
         for (wi, w) in workloads.iter().enumerate() {
+            let segments = segments[wi];
             let got = one_round(args, prepared, w, segments)
                 .with_context(|| format!("paired round {rounds} on {}", w.name))?;
             let line: Vec<String> = (1..prepared.len())
@@ -268,10 +287,17 @@ pub(super) fn paired(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Paire
 /// The paired rounds' table.
 pub(super) fn table(p: &Paired) -> String {
     let mut t = String::new();
+    let per_round: Vec<String> = p
+        .workloads
+        .iter()
+        .zip(&p.segments)
+        .map(|(w, n)| format!("{} {n}", w.name))
+        .collect();
     let _ = writeln!(
         t,
-        "\nCPU time, variants alternated in one process ({} round(s) × {} segments): median serving, checks",
-        p.rounds, p.segments
+        "\nCPU time, variants alternated in one process ({} round(s); segments per round: {}): median serving of a wave, checks",
+        p.rounds,
+        per_round.join(", ")
     );
     for v in &p.variants {
         let _ = writeln!(
