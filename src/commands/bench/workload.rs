@@ -417,7 +417,7 @@ pub fn alternate(args: &Args) -> anyhow::Result<Alternated> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     // The workload in waves of `--in-flight` requests served together; a
     // segment serves the next wave with every target.
-    let waves: Vec<&[Request]> = requests.chunks(args.in_flight.max(1)).collect();
+    let waves: Vec<&[Request]> = requests.chunks(args.in_flight).collect();
     let mut wave_tokens: Vec<Option<usize>> = vec![None; waves.len()];
     let mut cpu_seconds = Vec::with_capacity(args.segments);
     let mut output_tokens = 0;

@@ -238,8 +238,8 @@ pub(super) fn paired(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Paire
         }
         rounds += 1;
         for (wi, w) in workloads.iter().enumerate() {
-            let segments = segments[wi];
-            let got = one_round(args, prepared, w, segments)
+            let n = segments[wi];
+            let got = one_round(args, prepared, w, n)
                 .with_context(|| format!("paired round {rounds} on {}", w.name))?;
             let line: Vec<String> = (1..prepared.len())
                 .map(|vi| {
@@ -249,7 +249,7 @@ pub(super) fn paired(args: &Args, prepared: &[Prepared]) -> anyhow::Result<Paire
                 })
                 .collect();
             eprintln!(
-                "kvsan bench: paired round {rounds:<3} {:<18} {segments} segments, median {}",
+                "kvsan bench: paired round {rounds:<3} {:<18} {n} segments, median {}",
                 w.name,
                 line.join(", ")
             );
