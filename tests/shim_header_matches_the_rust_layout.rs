@@ -58,6 +58,7 @@ fn rows() -> Vec<(String, i64, String)> {
         KvsanKernelShadow { size, layout_version, pages, page_slots, layers, record_size,
                             stride_words, reserved, records, bits, counters }
         KvsanKernelAccess { op, layer, page, slots, entry, reserved }
+        KvsanNvtxPlane { base, page_stride, page_bytes }
     };
     let mut constant =
         |name: &str, value: i64| rows.push((name.to_string(), value, name.to_string()));

@@ -1797,3 +1797,46 @@ fn the_check_kernels_refuse_an_engines_wrong_row_length_and_slot_as_the_host_doe
 fn kernels_host_lens(lens: &cudarc::driver::CudaSlice<i32>) -> Vec<i32> {
     lens.stream().clone_dtoh(lens).expect("copy to the host")
 }
+
+#[test]
+#[ignore = "requires CUDA"]
+fn buffers_outside_a_device_allocation_are_refused_before_any_kernel_reads_them() {
+    let kernels = kernels();
+    let buffer = device_buffer(&kernels, &[0i32; 64]);
+    let stream = kernels_stream(&kernels);
+    let (address, _sync) = cudarc::driver::DevicePtr::device_ptr(&buffer, &stream);
+    kernels
+        .check_device_buffer("block_table", address, 64 * 4)
+        .expect("a whole allocation");
+    kernels
+        .check_device_buffer("block_table", address + 16, 32)
+        .expect("a part of one");
+    assert!(matches!(
+        kernels.check_device_buffer("block_table", address, 65 * 4),
+        Err(CudaError::OutsideAllocation { bytes: 260, .. })
+    ));
+    let host = [0i32; 4];
+    assert!(matches!(
+        kernels.check_device_buffer("seq_lens", host.as_ptr() as u64, 16),
+        Err(CudaError::NotDeviceMemory {
+            what: "seq_lens",
+            ..
+        })
+    ));
+    assert!(matches!(
+        kernels.check_device_buffer("seq_lens", 0x7F00_0000_0000, 16),
+        Err(CudaError::NotDeviceMemory { .. })
+    ));
+    // The context is still usable.
+    let again = device_buffer(&kernels, &[1i32, 2, 3]);
+    assert_eq!(
+        kernels.copy_to_host(&again).expect("copy back"),
+        vec![1, 2, 3]
+    );
+}
+
+fn kernels_stream(kernels: &CudaKernels) -> std::sync::Arc<cudarc::driver::CudaStream> {
+    cudarc::driver::CudaContext::new(kernels.ordinal())
+        .expect("context")
+        .default_stream()
+}

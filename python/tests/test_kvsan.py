@@ -169,8 +169,10 @@ def test_gpu_arrays_go_to_the_device_check_by_address(san):
     p = pool(san)
     a, b = filled(san, p)
     table, lens = FakeGpuArray(0x7F0000000000, 4), FakeGpuArray(0x7F0000001000, 2)
-    # This machine has no CUDA driver: the device check is reached (the
-    # arguments passed its checks) and says why it cannot run.
+    # The device check is reached (the arguments passed its checks) and says
+    # why it cannot run: without a CUDA driver, that there is none; with one,
+    # that these made-up addresses are in no allocation of the device (they
+    # are refused before any kernel reads them: the context stays usable).
     with pytest.raises(kvsan.KvsanError) as refused:
         p.check_block_table([a, b], table, 2, lens)
     assert refused.value.status == "KVSAN_ERR_DEVICE"
@@ -209,3 +211,38 @@ def test_cuda_tensors_are_checked_on_their_gpu(san):
     assert [v.ok for v in ok] == [True, True]
     swapped = p.check_block_table([a, b], torch.tensor([2, 3, 0, 1], dtype=torch.int32, device="cuda"), 2, lens)
     assert [v.kind for v in swapped] == ["foreign-read", "foreign-read"]
+
+
+def test_every_layout_gets_the_same_verdicts_on_the_gpu_as_on_the_host(san):
+    """The device check kernels against the host checks, over the same
+    values: CUDA tensors (torch) on one side, host arrays on the other."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("requires a CUDA GPU")
+    p = pool(san)
+    a, b = filled(san, p)
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    cases = [
+        ("block table, as built", lambda t: p.check_block_table([a, b], t([0, 1, 2, 3]), 2, t([6, 5]))),
+        ("block table, rows swapped", lambda t: p.check_block_table([a, b], t([2, 3, 0, 1]), 2, t([6, 5]))),
+        ("block table, one token too many", lambda t: p.check_block_table([a, b], t([0, 1, 2, 3]), 2, t([7, 5]))),
+        ("paged CSR", lambda t: p.check_paged_csr([a, b], t([0, 2, 4]), t([0, 1, 2, 3]), t([2, 2]))),
+        (
+            "token table",
+            lambda t: p.check_req_to_token(
+                [a, b], t([0, 1, 2, 3, 4, 5, 0, 0, 8, 9, 10, 11, 12, 0, 0, 0]), 8, t([1, 0]), t([6, 5])
+            ),
+        ),
+    ]
+    for name, run in cases:
+        host = [v.kind for v in run(lambda values: array.array("i", values))]
+        device = [v.kind for v in run(i32)]
+        assert device == host, name
+    host = [v.kind for v in p.check_slot_mapping([a, b], [0, 2, 3], array.array("q", [6, -1, 3]))]
+    device = p.check_slot_mapping(
+        [a, b], i32([0, 2, 3]), torch.tensor([6, -1, 3], dtype=torch.int64, device="cuda")
+    )
+    assert [v.kind for v in device] == host == [None, "foreign-write"]

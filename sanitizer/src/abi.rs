@@ -14,14 +14,14 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!
-//!  KvsanHookTable (136 bytes on LP64, #[repr(C)], version 1.3, laid out
-//!  as 1.2 (1.3 added C functions, not hooks); a 1.1 table ends after
+//!  KvsanHookTable (136 bytes on LP64, #[repr(C)], version 1.4, laid out
+//!  as 1.2 (1.3 and 1.4 added C functions, not hooks); a 1.1 table ends after
 //!  request_event_at, 120 bytes; a 1.0 table before kernel_shadow, 96 bytes)
 //!  offset size
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
 //!  |  4 |  2 | version_major   u16  1; another major is not attached          |
-//!  |  6 |  2 | version_minor   u16  3; a newer minor only appends fields      |
+//!  |  6 |  2 | version_minor   u16  4; a newer minor only appends fields      |
 //!  |  8 |  4 | flags           u32  bit 0 KVSAN_FLAG_POISON: poison freed pages|
 //!  | 12 |  4 | quarantine_pages u32 freed pages held back before reuse       |
 //!  | 16 |  8 | ctx             void* passed as first argument to every hook  |
@@ -122,8 +122,9 @@ pub const HOOK_TABLE_SYMBOL: &CStr = c"kvsan_hook_table_v1";
 pub const HOOK_TABLE_VERSION_MAJOR: u16 = 1;
 /// The table's minor version (a newer minor only appends fields), which
 /// is also the C ABI's: 3 added the batch checks over device buffers and
-/// `KVSAN_ERR_DEVICE`, and no table field.
-pub const HOOK_TABLE_VERSION_MINOR: u16 = 3;
+/// `KVSAN_ERR_DEVICE`; 4 the NVTX registration of an engine's pool
+/// (`kvsan_nvtx_*`, [`KvsanNvtxPlane`]); neither added a table field.
+pub const HOOK_TABLE_VERSION_MINOR: u16 = 4;
 /// `flags` bit: poison-fill freed pages.
 pub const KVSAN_FLAG_POISON: u32 = 1;
 /// Verdict code: go on.
@@ -163,6 +164,21 @@ pub struct KvsanRange {
     pub start: u32,
     /// One past the last index.
     pub end: u32,
+}
+
+/// Where one plane of a pool's pages lies in device memory, for the
+/// pool's NVTX registration (`kvsan_nvtx_describe_pool`, since 1.4): page
+/// `p` is `[base + p·page_stride, base + p·page_stride + page_bytes)`. A
+/// page in several tensors (a K and a V tensor per layer) is several planes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvsanNvtxPlane {
+    /// Device address of page 0.
+    pub base: u64,
+    /// Bytes from one page to the next.
+    pub page_stride: u64,
+    /// Bytes of one page in this plane.
+    pub page_bytes: u64,
 }
 
 /// A pool's shape ([`PoolGeometry`]).

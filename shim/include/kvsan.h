@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define KVSAN_ABI_VERSION_MAJOR 1
-#define KVSAN_ABI_VERSION_MINOR 3
+#define KVSAN_ABI_VERSION_MINOR 4
 #define KVSAN_ABI_VERSION ((uint32_t)((KVSAN_ABI_VERSION_MAJOR << 16) | KVSAN_ABI_VERSION_MINOR))
 
 /* Status codes. */
@@ -57,7 +57,7 @@ extern "C" {
 #define KVSAN_ERR_TOO_MANY_POOLS (-9)   /* the pool limit is reached */
 #define KVSAN_ERR_GENERATION (-10)      /* the engine's page generation differs from the shadow's */
 #define KVSAN_ERR_INTERNAL (-11)        /* the library failed inside (caught); it wrote a report */
-#define KVSAN_ERR_DEVICE (-12)          /* a device-buffer check could not run (no CUDA, or built without it) */
+#define KVSAN_ERR_DEVICE (-12)          /* a device check or NVTX call could not run (no CUDA, or built without it) */
 
 /* KvsanVerdict.code */
 #define KVSAN_VERDICT_CONTINUE 0u /* go on */
@@ -243,8 +243,8 @@ typedef KvsanVerdict (*KvsanShareFn)(void *ctx, uint32_t pool, KvsanPageRef page
                                      KvsanOwner sharer);
 typedef KvsanVerdict (*KvsanDeclareSaltFn)(void *ctx, KvsanOwner owner, uint64_t salt);
 
-/* Version 1.3, 136 bytes on LP64, laid out as 1.2 (1.3 added C functions,
- * not hooks; 1.1 ends before share, 120 bytes; 1.0 before kernel_shadow,
+/* Version 1.4, 136 bytes on LP64, laid out as 1.2 (1.3 and 1.4 added C
+ * functions, not hooks; 1.1 ends before share, 120 bytes; 1.0 before kernel_shadow,
  * 96 bytes). `size` first; a newer minor only
  * appends. */
 typedef struct KvsanHookTable {
@@ -404,6 +404,48 @@ int32_t kvsan_check_slot_mapping_device(uint32_t pool, int32_t device, const Kvs
                                         size_t rows, uint64_t query_start_loc,
                                         uint64_t slot_mapping, size_t tokens, KvsanRange layers,
                                         uint64_t step, KvsanVerdict *verdicts_out);
+
+/* ---- NVTX registration for compute-sanitizer (since ABI 1.4) -------------- */
+
+/* Where one plane of a pool's pages lies in device memory: page p is
+ * [base + p * page_stride, + page_bytes). A page in several tensors (a K
+ * and a V tensor per layer) is several planes. */
+typedef struct KvsanNvtxPlane {
+    uint64_t base;
+    uint64_t page_stride;
+    uint64_t page_bytes;
+} KvsanNvtxPlane;
+
+/* Describes pool `pool`'s pages on device `device` to NVTX, so that NVIDIA's
+ * compute-sanitizer sees them: each allocation holding a plane becomes an
+ * NVTX heap (a sub-allocator: memcheck reports an access to any part of it
+ * no region covers), and every page the pool holds now (owned or
+ * receiving) a region named after its page, generation and request. From
+ * then on kvsan_alloc/free (and the hook table's alloc/free) keep the
+ * regions in step: a freed page is unregistered, so a kernel reading it is
+ * a memcheck error; a reused page is registered anew, so initcheck reports
+ * a read of it before its new owner wrote it. plane_size =
+ * sizeof(KvsanNvtxPlane). Call it once the CUDA context exists, once per
+ * pool (the tool takes one heap per allocation), and
+ * kvsan_nvtx_forget_pool before freeing the memory. The heap is the whole
+ * allocation holding a plane: nothing else the kernels touch may live in
+ * it. No tool attached (not run under compute-sanitizer): KVSAN_OK, and
+ * the calls are bookkeeping only. KVSAN_ERR_DEVICE when the library was
+ * built without the `nvtx` feature, or the driver cannot be reached;
+ * KVSAN_ERR_INVALID_ARGUMENT for planes that overlap, lie outside a device
+ * allocation, or a pool already described. */
+int32_t kvsan_nvtx_describe_pool(uint32_t pool, int32_t device, const KvsanNvtxPlane *planes,
+                                 size_t n_planes, size_t plane_size);
+/* Binds, to the CUDA work this thread enqueues from now on, permissions in
+ * which the pages held by the listed requests are read-write and every
+ * other held page of the pool has no access: memcheck reports a kernel of
+ * these requests touching another request's page. Replaces an earlier
+ * binding of the pool. */
+int32_t kvsan_nvtx_bind(uint32_t pool, const uint64_t *requests, size_t n_requests);
+/* Ends the pool's binding, if any. */
+int32_t kvsan_nvtx_unbind(uint32_t pool);
+/* Ends the pool's NVTX description (its heaps and regions). */
+int32_t kvsan_nvtx_forget_pool(uint32_t pool);
 
 /* ---- transfers (disaggregated prefill -> decode) -------------------------- */
 

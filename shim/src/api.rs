@@ -18,8 +18,8 @@ use std::sync::OnceLock;
 
 use kvsan_sanitizer::abi::{
     ABI_VERSION, AbiStatus, KVSAN_OK, KvsanKernelAccess, KvsanKernelShadow, KvsanManifest,
-    KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange, KvsanVerdict, STATUSES,
-    version_compatible,
+    KvsanNvtxPlane, KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange, KvsanVerdict,
+    STATUSES, version_compatible,
 };
 use kvsan_sanitizer::{Verdict, ViolationKind};
 
@@ -766,4 +766,66 @@ pub unsafe extern "C" fn kvsan_check_slot_mapping_device(
             calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
         })
     }
+}
+
+/// Describes pool `pool`'s pages on CUDA device `device` to NVTX, for
+/// compute-sanitizer; see `kvsan.h`.
+///
+/// # Safety
+/// - `planes` is null or holds `n_planes` readable `KvsanNvtxPlane`s of
+///   `plane_size` bytes each.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvsan_nvtx_describe_pool(
+    pool: u32,
+    device: i32,
+    planes: *const KvsanNvtxPlane,
+    n_planes: usize,
+    plane_size: usize,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_nvtx_describe_pool";
+    status(CALL, || {
+        check_size(
+            CALL,
+            "plane_size",
+            "KvsanNvtxPlane",
+            plane_size,
+            size_of::<KvsanNvtxPlane>(),
+        )?;
+        // SAFETY: the caller's contract on `planes`.
+        let planes = unsafe { calls::slice(CALL, "planes", planes, n_planes) }?;
+        crate::nvtx::describe(CALL, pool, device, planes)
+    })
+}
+
+/// Binds the NVTX permissions of the requests' pages to this thread's CUDA
+/// work; see `kvsan.h`.
+///
+/// # Safety
+/// - `requests` is null or holds `n_requests` readable `u64`s.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvsan_nvtx_bind(
+    pool: u32,
+    requests: *const u64,
+    n_requests: usize,
+) -> AbiStatus {
+    const CALL: &str = "kvsan_nvtx_bind";
+    status(CALL, || {
+        // SAFETY: the caller's contract on `requests`.
+        let requests = unsafe { calls::slice(CALL, "requests", requests, n_requests) }?;
+        crate::nvtx::bind(CALL, pool, requests)
+    })
+}
+
+/// Ends the pool's NVTX permissions binding on this thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvsan_nvtx_unbind(pool: u32) -> AbiStatus {
+    const CALL: &str = "kvsan_nvtx_unbind";
+    status(CALL, || crate::nvtx::unbind(CALL, pool))
+}
+
+/// Ends the pool's NVTX description.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvsan_nvtx_forget_pool(pool: u32) -> AbiStatus {
+    const CALL: &str = "kvsan_nvtx_forget_pool";
+    status(CALL, || crate::nvtx::forget(CALL, pool))
 }

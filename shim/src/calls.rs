@@ -71,7 +71,7 @@ fn check_array<T>(
 /// # Safety
 /// - `ptr` is null, or points to `len` readable `T`s that stay unchanged
 ///   for `'a`.
-unsafe fn slice<'a, T>(
+pub(crate) unsafe fn slice<'a, T>(
     call: &'static str,
     argument: &'static str,
     ptr: *const T,
@@ -106,6 +106,16 @@ pub(crate) struct BatchArrays {
     pub rows: usize,
 }
 
+/// The CUDA device ordinal `device` (a C `int32_t`), refused if negative.
+pub(crate) fn device_ordinal(call: &'static str, device: i32) -> Result<usize, ShimError> {
+    usize::try_from(device).map_err(|_| ShimError::InvalidArgument {
+        call,
+        argument: "device",
+        value: device as u64,
+        allowed: "a CUDA device ordinal, 0 or more",
+    })
+}
+
 /// A batch check over device buffers (`kvsan_check_*_device`): the owners
 /// checked as the host checks check them, each device address non-null
 /// (when its length is not 0) and aligned for its values, then
@@ -126,12 +136,7 @@ pub(crate) unsafe fn check_device(
 ) -> Result<Vec<Verdict>, ShimError> {
     // SAFETY: the caller's contract on `owners`.
     let owners = unsafe { row_owners(call, rows.owners, rows.rows) }?;
-    let ordinal = usize::try_from(device).map_err(|_| ShimError::InvalidArgument {
-        call,
-        argument: "device",
-        value: device as u64,
-        allowed: "a CUDA device ordinal, 0 or more",
-    })?;
+    let ordinal = device_ordinal(call, device)?;
     for (argument, address, len, size) in buffers.arrays(rows.rows) {
         if len == 0 {
             continue;
@@ -492,9 +497,12 @@ pub(crate) fn alloc_page(
     step: u64,
 ) -> Result<(Verdict, Generation), ShimError> {
     let o = owner(call, o)?;
-    san()?
+    let san = san()?;
+    let out = san
         .alloc(PoolId(pool), PageId(page), o, step)
-        .map_err(sanitizer_error(call))
+        .map_err(sanitizer_error(call))?;
+    crate::nvtx::touched(san, pool, page);
+    Ok(out)
 }
 
 /// Allocation of `page` by an engine that counts generations itself (the
@@ -528,9 +536,12 @@ pub(crate) fn free(
     step: u64,
 ) -> Result<Verdict, ShimError> {
     let o = owner(call, o)?;
-    san()?
+    let san = san()?;
+    let out = san
         .free(PoolId(pool), o, page.into(), step)
-        .map_err(sanitizer_error(call))
+        .map_err(sanitizer_error(call))?;
+    crate::nvtx::touched(san, pool, page.page);
+    Ok(out)
 }
 
 /// A read-only share of `page` with `sharer` (prefix cache).

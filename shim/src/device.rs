@@ -78,6 +78,13 @@ pub(crate) unsafe fn check(
         }),
     };
     let kernels = &device.kernels;
+    for (argument, address, len, size) in buffers.arrays(owners.len()) {
+        if len > 0 {
+            kernels
+                .check_device_buffer(argument, address, (len as u64).saturating_mul(size as u64))
+                .map_err(&err)?;
+        }
+    }
     kernels.synchronize_device().map_err(&err)?;
     // A store check brings written bits back: to every page at the
     // generation the upload below copies. Reads need no such list.

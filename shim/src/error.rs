@@ -108,6 +108,19 @@ pub enum ShimError {
         /// Why.
         reason: String,
     },
+    /// The NVTX registration of a pool could not be done: built without
+    /// the `nvtx` feature, no driver, or (`invalid`) a description no pages
+    /// fit.
+    #[error("`{call}`: {reason}")]
+    Nvtx {
+        /// The function called.
+        call: &'static str,
+        /// Why.
+        reason: String,
+        /// The arguments were at fault (`KVSAN_ERR_INVALID_ARGUMENT`), not
+        /// the library or the machine (`KVSAN_ERR_DEVICE`).
+        invalid: bool,
+    },
     /// The library panicked inside the call (a bug in the library); the
     /// panic was caught at the boundary.
     #[error("`{call}`: internal error (caught panic: {message})")]
@@ -134,7 +147,8 @@ impl ShimError {
             ShimError::Generation { .. } => KVSAN_ERR_GENERATION,
             ShimError::Sanitizer { source, .. } => status_of(source),
             ShimError::Panic { .. } => KVSAN_ERR_INTERNAL,
-            ShimError::Device { .. } => KVSAN_ERR_DEVICE,
+            ShimError::Device { .. } | ShimError::Nvtx { invalid: false, .. } => KVSAN_ERR_DEVICE,
+            ShimError::Nvtx { invalid: true, .. } => KVSAN_ERR_INVALID_ARGUMENT,
         }
     }
 }

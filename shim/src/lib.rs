@@ -17,6 +17,7 @@
 //! | `calls` | argument checks, and one operation a hook of the list that both faces run |
 //! | `buffers` | the device buffers of a check over GPU memory |
 //! | `device` | the batch checks over CUDA device buffers (feature `cuda`) |
+//! | `nvtx` | a pool's pages described to compute-sanitizer through NVTX, kept in step by alloc and free (feature `nvtx`) |
 //! | `guard` | panics caught at the boundary, refused calls printed and kept |
 //! | `error` | `ShimError` and its status codes |
 //!
@@ -37,6 +38,7 @@ mod calls;
 mod device;
 pub mod error;
 mod guard;
+mod nvtx;
 pub mod table;
 
 pub use error::ShimError;

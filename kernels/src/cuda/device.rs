@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
@@ -61,6 +62,10 @@ pub struct CudaKernels {
     check_paged_csr: CudaFunction,
     check_req_to_token: CudaFunction,
     check_slot_mapping: CudaFunction,
+    /// Kernel timing on ([`CudaKernels::set_kernel_timing`]).
+    timing: AtomicBool,
+    /// The last timed launch's milliseconds, as f32 bits (`u32::MAX`: none).
+    last_ms: AtomicU32,
 }
 
 impl CudaKernels {
@@ -107,6 +112,8 @@ impl CudaKernels {
             check_paged_csr: function(&check, CHECK_PAGED_CSR_KERNEL)?,
             check_req_to_token: function(&check, CHECK_REQ_TO_TOKEN_KERNEL)?,
             check_slot_mapping: function(&check, CHECK_SLOT_MAPPING_KERNEL)?,
+            timing: AtomicBool::new(false),
+            last_ms: AtomicU32::new(u32::MAX),
         };
         kernels.finish("load the kernels")?;
         Ok(kernels)
@@ -120,6 +127,56 @@ impl CudaKernels {
     /// The device's compute capability, `(major, minor)`.
     pub fn compute_capability(&self) -> (u32, u32) {
         self.compute_capability
+    }
+
+    /// Times each batch launch from now on (`on`), or stops: the decode, the
+    /// store and the checks of an engine's buffers get a CUDA event before
+    /// and after their kernel, and [`CudaKernels::last_kernel_ms`] says how
+    /// long the device ran it, without the copies around it. For
+    /// benchmarks; off by default (the events cost a little).
+    pub fn set_kernel_timing(&self, on: bool) {
+        self.timing.store(on, Ordering::Relaxed);
+        self.last_ms.store(u32::MAX, Ordering::Relaxed);
+    }
+
+    /// Milliseconds of the last timed kernel (for a check of an engine's
+    /// buffers that records: both passes); `None` before the first, or
+    /// with timing off.
+    pub fn last_kernel_ms(&self) -> Option<f32> {
+        let bits = self.last_ms.load(Ordering::Relaxed);
+        (bits != u32::MAX).then(|| f32::from_bits(bits))
+    }
+
+    /// Runs `launch` between two timing events when timing is on, adding
+    /// the device time to the last kernel time (`fresh`: starting from 0).
+    fn timed<R>(
+        &self,
+        fresh: bool,
+        launch: impl FnOnce() -> Result<R, CudaError>,
+    ) -> Result<R, CudaError> {
+        if !self.timing.load(Ordering::Relaxed) {
+            return launch();
+        }
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .stream
+            .record_event(flags)
+            .map_err(CudaError::driver("record a timing event"))?;
+        let out = launch()?;
+        let end = self
+            .stream
+            .record_event(flags)
+            .map_err(CudaError::driver("record a timing event"))?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(CudaError::driver("read a kernel's time"))?;
+        let before = match self.last_kernel_ms() {
+            Some(t) if !fresh => t,
+            _ => 0.0,
+        };
+        self.last_ms
+            .store((before + ms).to_bits(), Ordering::Relaxed);
+        Ok(out)
     }
 
     /// What the kernels were compiled for (e.g. `sm_90`).
@@ -153,11 +210,33 @@ impl CudaKernels {
             value: n_pages,
             limit: usize::MAX / page_elems,
         })?;
-        // SAFETY: the memory is left unset on purpose (see above). Every bit
-        // pattern is a valid f16, so copying any of it to the host is sound;
-        // the kernels read it only as f16 values.
-        let pages = unsafe { self.stream.alloc::<u16>(total) }
+        // A plain allocation (cuMemAlloc), not one of the stream-ordered
+        // allocator's: a tool sees it as an allocation of its own, and
+        // compute-sanitizer takes an NVTX heap only over such (it refused
+        // one over a stream-ordered allocation on an H200, CUDA 13.0). A
+        // pool lives as long as the engine: nothing is lost by not pooling.
+        let bytes = total
+            .checked_mul(std::mem::size_of::<u16>())
+            .ok_or(CudaError::TooLarge {
+                what: "pages in a pool",
+                value: n_pages,
+                limit: usize::MAX / 2 / page_elems,
+            })?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("make the context current"))?;
+        // SAFETY: a fresh allocation of `bytes` bytes in the current
+        // context, owned from here on by the pool, which frees it with
+        // cuMemFree (`CudaKvPool`'s `Drop`).
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
             .map_err(CudaError::driver("allocate the pool"))?;
+        // SAFETY: `ptr` holds `total` u16 values on this stream's device.
+        // The memory is left unset on purpose (see above): every bit
+        // pattern is a valid f16, so copying any of it to the host is sound,
+        // and the kernels read it only as f16 values. The slice is never
+        // dropped as a cudarc slice (that would free it stream-ordered).
+        let pages = ManuallyDrop::new(unsafe { self.stream.upgrade_device_ptr::<u16>(ptr, total) });
         let generations = self
             .stream
             .alloc_zeros::<u32>(n_pages)
@@ -168,6 +247,8 @@ impl CudaKernels {
             n_pages,
             page_elems,
             pages,
+            #[cfg(feature = "nvtx")]
+            nvtx: None,
             generations,
             stream: Arc::clone(&self.stream),
         })
@@ -377,9 +458,9 @@ impl CudaKernels {
         // a shadow has the pool's pages and layout (`check_shadow`: 2 record
         // words and `stride` written words per page) and `owners` one word
         // per row (`owner_words`). All buffers live on this stream.
-        unsafe {
+        self.timed(true, || unsafe {
             result::launch_decode(&self.stream, &self.decode, &args, &mut refusals, &mut out)
-        }?;
+        })?;
         let records = self.download(&refusals, "copy the refusal records to the host")?;
         let refusals = decode_refusals(&records, Op::Read, mode, pool.n_pages)?;
         refuse_all(ledger, &refusals);
@@ -511,7 +592,9 @@ impl CudaKernels {
         // row. The generation array holds one word per pool page; a shadow
         // has the pool's pages and layout (`check_shadow`) and `owners` one
         // word per row. All buffers live on this stream.
-        unsafe { result::launch_store(&self.stream, &self.store, args, pages, &mut refusals) }?;
+        self.timed(true, || unsafe {
+            result::launch_store(&self.stream, &self.store, args, pages, &mut refusals)
+        })?;
         let records = self.download(&refusals, "copy the refusal records to the host")?;
         let refusals = decode_refusals(&records, Op::Store, mode, n_pages)?;
         refuse_all(ledger, &refusals);
@@ -699,12 +782,59 @@ impl CudaKernels {
             // and end within the shadow's layout; the shadow is on this
             // device, and the engine's buffers are views on it (the
             // caller's).
-            unsafe { launch_check(&self.stream, args, &mut refusals) }?;
+            self.timed(!pass, || unsafe {
+                launch_check(&self.stream, args, &mut refusals)
+            })?;
             self.finish("check an engine's kernel arguments")?;
             let records = self.download(&refusals, "copy the check records to the host")?;
             found = decode_engine_refusals(&records, layout)?;
         }
         Ok(found)
+    }
+
+    /// Refuses, before any kernel reads it, an engine's buffer `what` of
+    /// `bytes` bytes at device address `address` that is not wholly inside
+    /// one allocation of this device (a host pointer, a freed or made-up
+    /// address, a length past the allocation's end, another device's
+    /// memory): a kernel reading it would fault and poison the context the
+    /// engine shares.
+    ///
+    /// # Errors
+    /// [`CudaError::NotDeviceMemory`], [`CudaError::OutsideAllocation`].
+    pub fn check_device_buffer(
+        &self,
+        what: &'static str,
+        address: u64,
+        bytes: u64,
+    ) -> Result<(), CudaError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("make the context current"))?;
+        let (start, size, ordinal) =
+            result::allocation_of(address).map_err(|source| CudaError::NotDeviceMemory {
+                what,
+                address,
+                ordinal: self.ordinal(),
+                source,
+            })?;
+        let end = start.saturating_add(size);
+        if usize::try_from(ordinal).ok() != Some(self.ordinal()) {
+            return Err(CudaError::WrongDevice {
+                pool_device: usize::try_from(ordinal).unwrap_or(usize::MAX),
+                kernels_device: self.ordinal(),
+            });
+        }
+        if address < start || address.saturating_add(bytes) > end {
+            return Err(CudaError::OutsideAllocation {
+                what,
+                address,
+                bytes,
+                start,
+                size,
+            });
+        }
+        Ok(())
     }
 
     /// An engine's own device allocation, `len` values of `T` at device

@@ -171,6 +171,54 @@ pub enum CudaError {
         /// Theirs.
         expected: usize,
     },
+    /// An engine's buffer given by device address lies in no allocation
+    /// of the device.
+    #[error("{what} at device address {address:#x} is not memory of CUDA device {ordinal}")]
+    NotDeviceMemory {
+        /// The buffer.
+        what: &'static str,
+        /// Its address.
+        address: u64,
+        /// The device it should be on.
+        ordinal: usize,
+        /// What the driver said of the address.
+        #[source]
+        source: DriverError,
+    },
+    /// An engine's buffer runs past the end of the allocation it starts in.
+    #[error(
+        "{what} at {address:#x}, {bytes} bytes, runs past its allocation ({size} bytes from {start:#x})"
+    )]
+    OutsideAllocation {
+        /// The buffer.
+        what: &'static str,
+        /// Its address.
+        address: u64,
+        /// Its length in bytes.
+        bytes: u64,
+        /// The allocation's start.
+        start: u64,
+        /// The allocation's size in bytes.
+        size: u64,
+    },
+    /// A plane of an NVTX pool description (`NvtxPool::new`, feature `nvtx`) that cannot describe pages.
+    #[error("NVTX plane {plane} of the pool: {problem}")]
+    NvtxPlane {
+        /// Index of the plane in the list.
+        plane: usize,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
+    /// Two planes of an NVTX pool description put pages on the same bytes.
+    #[error(
+        "NVTX planes {first} and {second} of the pool overlap: a page's bytes would belong to two regions"
+    )]
+    NvtxPlanesOverlap {
+        /// Index of the first plane.
+        first: usize,
+        /// Index of the second plane.
+        second: usize,
+    },
 }
 
 impl CudaError {

@@ -98,6 +98,8 @@ mod batch;
 mod check;
 mod device;
 mod error;
+#[cfg(feature = "nvtx")]
+mod nvtx;
 mod pool;
 pub mod result;
 mod shadow;
@@ -109,6 +111,8 @@ pub use check::{
 };
 pub use device::CudaKernels;
 pub use error::CudaError;
+#[cfg(feature = "nvtx")]
+pub use nvtx::{NvtxHolder, NvtxPlane, NvtxPool, NvtxSync, probe_heap};
 pub use pool::CudaKvPool;
 pub use result::{
     CompileTarget, CompiledModule, ImageKind, compile, nvrtc_version, supported_archs,
@@ -124,4 +128,40 @@ pub fn cuda_available() -> bool {
     }
     // The driver library is present, so cudarc's lazy loader does not panic.
     matches!(cudarc::driver::CudaContext::device_count(), Ok(n) if n > 0)
+}
+
+/// The CUDA allocation of device `ordinal` that holds device address
+/// `address`: its start and size in bytes (for an engine's own buffers,
+/// e.g. the tensors of its KV pool). Never panics.
+///
+/// # Errors
+/// No driver, no such device, an address in no allocation of the device.
+pub fn allocation_containing(ordinal: usize, address: u64) -> Result<(u64, u64), CudaError> {
+    if !result::driver_present() {
+        return Err(CudaError::DriverNotFound);
+    }
+    let count =
+        cudarc::driver::CudaContext::device_count().map_err(CudaError::driver("count devices"))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if ordinal >= count {
+        return Err(CudaError::NoSuchDevice { ordinal, count });
+    }
+    let ctx =
+        cudarc::driver::CudaContext::new(ordinal).map_err(CudaError::driver("create a context"))?;
+    ctx.bind_to_thread()
+        .map_err(CudaError::driver("make the context current"))?;
+    let (start, size, device) =
+        result::allocation_of(address).map_err(|source| CudaError::NotDeviceMemory {
+            what: "buffer",
+            address,
+            ordinal,
+            source,
+        })?;
+    if usize::try_from(device).ok() != Some(ordinal) {
+        return Err(CudaError::WrongDevice {
+            pool_device: usize::try_from(device).unwrap_or(usize::MAX),
+            kernels_device: ordinal,
+        });
+    }
+    Ok((start, size))
 }

@@ -1,6 +1,7 @@
 //! [`CudaKvPool`]: a KV page pool in device memory, with its per-page
 //! generation array next to it.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -24,17 +25,44 @@ use crate::attention::KvGeometry;
 ///
 /// Created by [`super::CudaKernels::alloc_pool`] (pages uninitialised, as an
 /// engine's pool is: pages are never zeroed) or
-/// [`super::CudaKernels::upload_pool`]. Dropping it frees the device memory;
-/// a failure there goes to the context's sticky error slot, which the next
-/// [`super::CudaKernels`] operation returns.
+/// [`super::CudaKernels::upload_pool`]; the pages are one plain allocation
+/// (cuMemAlloc), which tools such as compute-sanitizer see as an allocation
+/// of its own. Dropping it frees the device memory; a failure there goes to
+/// the context's sticky error slot, which the next [`super::CudaKernels`]
+/// operation returns.
 #[derive(Debug)]
 pub struct CudaKvPool {
     pub(super) geometry: KvGeometry,
     pub(super) n_pages: usize,
     pub(super) page_elems: usize,
-    pub(super) pages: CudaSlice<u16>,
+    /// A plain allocation (cuMemAlloc) seen as a slice; freed by `Drop`.
+    pub(super) pages: ManuallyDrop<CudaSlice<u16>>,
+    /// The pages described to NVTX ([`CudaKvPool::attach_nvtx`]); dropped
+    /// (its heap unregistered) before the memory is freed.
+    #[cfg(feature = "nvtx")]
+    pub(super) nvtx: Option<super::NvtxPool>,
     pub(super) generations: CudaSlice<u32>,
     pub(super) stream: Arc<CudaStream>,
+}
+
+impl Drop for CudaKvPool {
+    fn drop(&mut self) {
+        // The NVTX heap goes first: a tool refuses to unregister a heap
+        // whose memory is gone.
+        #[cfg(feature = "nvtx")]
+        drop(self.nvtx.take());
+        // SAFETY: `pages` is not used after this.
+        let pages = unsafe { ManuallyDrop::take(&mut self.pages) };
+        // `leak` waits for the work that used the slice; then the plain
+        // allocation goes back with cuMemFree (after the stream's work),
+        // its errors to the context's sticky slot.
+        let ptr = pages.leak();
+        let ctx = self.stream.context();
+        ctx.record_err(self.stream.synchronize());
+        // SAFETY: `ptr` is the pool's own cuMemAlloc allocation
+        // (`CudaKernels::alloc_pool`), no longer used by any queued work.
+        ctx.record_err(unsafe { cudarc::driver::result::free_sync(ptr) });
+    }
 }
 
 /// Values in one page of `geometry`, or an error if that overflows.
@@ -69,6 +97,53 @@ impl CudaKvPool {
     /// f16 values per page.
     pub fn page_elems(&self) -> usize {
         self.page_elems
+    }
+
+    /// Where the pages lie in device memory, as one NVTX plane (feature
+    /// `nvtx`): page `p` at `base + p·page_stride`, `page_bytes` long.
+    #[cfg(feature = "nvtx")]
+    pub fn nvtx_plane(&self) -> super::NvtxPlane {
+        use cudarc::driver::DevicePtr;
+        let (base, _sync) = self.pages.device_ptr(&self.stream);
+        let page_bytes = (self.page_elems * std::mem::size_of::<u16>()) as u64;
+        super::NvtxPlane {
+            base,
+            page_stride: page_bytes,
+            page_bytes,
+        }
+    }
+
+    /// Describes the pool's pages to NVTX under `name` ([`super::NvtxPool`]:
+    /// one heap, the whole allocation; no page held yet), for
+    /// compute-sanitizer; keep the regions in step with
+    /// [`CudaKvPool::nvtx_mut`]'s `sync` after the hooks that allocate and
+    /// free pages. A tool takes one description per allocation: a second
+    /// call keeps the first.
+    ///
+    /// # Errors
+    /// A name with a NUL byte.
+    #[cfg(feature = "nvtx")]
+    pub fn attach_nvtx(&mut self, name: &str) -> Result<&mut super::NvtxPool, CudaError> {
+        if self.nvtx.is_none() {
+            self.nvtx = Some(super::NvtxPool::new(
+                name,
+                &[self.nvtx_plane()],
+                self.n_pages,
+            )?);
+        }
+        Ok(self.nvtx.as_mut().expect("set just above"))
+    }
+
+    /// The pool's NVTX description, if [`CudaKvPool::attach_nvtx`] made one.
+    #[cfg(feature = "nvtx")]
+    pub fn nvtx(&self) -> Option<&super::NvtxPool> {
+        self.nvtx.as_ref()
+    }
+
+    /// The pool's NVTX description, to sync and bind.
+    #[cfg(feature = "nvtx")]
+    pub fn nvtx_mut(&mut self) -> Option<&mut super::NvtxPool> {
+        self.nvtx.as_mut()
     }
 
     /// Ordinal of the device the pool lives on.
@@ -120,7 +195,7 @@ impl CudaKvPool {
     pub fn download(&self) -> Result<Vec<f16>, CudaError> {
         let bits = self
             .stream
-            .clone_dtoh(&self.pages)
+            .clone_dtoh(&*self.pages)
             .map_err(CudaError::driver("copy the pool to the host"))?;
         self.finish("copy the pool to the host")?;
         Ok(bits.reinterpret_into())

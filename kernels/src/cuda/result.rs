@@ -15,6 +15,39 @@ use super::source::{
     CudaSource, DECODE_THREADS, MODE_BOUNDS, MODE_GENERATIONS, MODE_SHADOW, STORE_THREADS,
 };
 
+/// The CUDA allocation that holds device address `ptr`: its start, its
+/// size in bytes and the ordinal of its device. The caller has made a
+/// context current on this thread.
+///
+/// # Errors
+/// The driver's, e.g. `CUDA_ERROR_INVALID_VALUE` when `ptr` lies in no
+/// allocation the driver knows (host memory, a freed buffer, a made-up
+/// address).
+pub fn allocation_of(ptr: u64) -> Result<(u64, u64, i32), cudarc::driver::DriverError> {
+    use cudarc::driver::sys::{CUpointer_attribute, cuPointerGetAttribute};
+    fn attribute<T: Default>(
+        ptr: u64,
+        attribute: CUpointer_attribute,
+    ) -> Result<T, cudarc::driver::DriverError> {
+        let mut value = T::default();
+        // SAFETY: `value` is writable for the attribute's type (a
+        // CUdeviceptr, a size_t or an int, matching `T` at each call below);
+        // the driver reads only `ptr`'s value.
+        unsafe { cuPointerGetAttribute((&raw mut value).cast(), attribute, ptr) }.result()?;
+        Ok(value)
+    }
+    let start: u64 = attribute(
+        ptr,
+        CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+    )?;
+    let size: usize = attribute(ptr, CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE)?;
+    let ordinal: i32 = attribute(
+        ptr,
+        CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    )?;
+    Ok((start, size as u64, ordinal))
+}
+
 /// Whether the CUDA driver library can be loaded. Never panics; cached.
 pub fn driver_present() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();

@@ -153,6 +153,21 @@ int main(void) {
     CHECK(kvsan_status_name(7) == NULL);
     CHECK(kvsan_last_error(NULL, 0) > 0);
 
+    /* NVTX registration: arguments first, then (this build has no `nvtx`
+     * feature) a refusal that says why */
+    KvsanNvtxPlane plane = {0x7f0000000000ull, 4096, 4096};
+    EXPECT(kvsan_nvtx_describe_pool(pool, 0, &plane, 1, sizeof plane - 8), KVSAN_ERR_SIZE);
+    EXPECT(kvsan_nvtx_describe_pool(pool, 0, NULL, 1, sizeof plane), KVSAN_ERR_NULL);
+    EXPECT(kvsan_nvtx_describe_pool(pool, -1, &plane, 1, sizeof plane), KVSAN_ERR_INVALID_ARGUMENT);
+    EXPECT(kvsan_nvtx_describe_pool(pool, 0, &plane, 0, sizeof plane), KVSAN_ERR_INVALID_ARGUMENT);
+    EXPECT(kvsan_nvtx_describe_pool(pool, 0, &plane, 1, sizeof plane), KVSAN_ERR_DEVICE);
+    CHECK(kvsan_last_error(msg, sizeof msg) > 0 && strstr(msg, "`nvtx` feature") != NULL);
+    uint64_t requests[1] = {1};
+    EXPECT(kvsan_nvtx_bind(pool, NULL, 1), KVSAN_ERR_NULL);
+    EXPECT(kvsan_nvtx_bind(pool, requests, 1), KVSAN_ERR_DEVICE);
+    EXPECT(kvsan_nvtx_unbind(pool), KVSAN_ERR_DEVICE);
+    EXPECT(kvsan_nvtx_forget_pool(pool), KVSAN_ERR_DEVICE);
+
     /* the hook table: misuse is verdict code 2, never a crash */
     const KvsanHookTable *t = kvsan_hook_table_v1();
     CHECK(t != NULL);
