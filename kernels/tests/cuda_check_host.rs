@@ -1,10 +1,12 @@
 //! The check kernels of `check.cu` (an engine's own kernel arguments
 //! against the device kernel shadow) against the sanitizer's host-side
-//! batch checks, on a machine without a GPU: the exact source NVRTC
-//! compiles is built by the C++ compiler as ordinary functions
-//! (`tests/cuda_host/prelude.h` gives the few CUDA built-ins they use their
-//! one-thread meaning) and run by `tests/cuda_host/harness.cpp` over every
-//! (block, thread) of a small grid. Its records go through the same
+//! batch checks, on a machine without a GPU: the source NVRTC compiles
+//! (with 3 lanes a row instead of 64, so that each lane of these short rows
+//! walks several entries) is built by the C++ compiler as ordinary
+//! functions (`tests/cuda_host/prelude.h` gives the few CUDA built-ins they
+//! use their one-thread meaning: one thread runs to its end before the
+//! next, so the last lane of a row to arrive settles it) and run by
+//! `tests/cuda_host/harness.cpp` over every (block, thread) of a small grid. Its records go through the same
 //! decoder as a launch's ([`decode_engine_refusals`]).
 //!
 //! Each case builds a real [`Sanitizer`] pool (pages allocated, written,
@@ -22,7 +24,8 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 use kvsan_kernels::cuda::source::{
-    CHECK, REFUSAL_WORDS, REFUSED_BAD_INPUT, REFUSED_OUTSIDE_POOL, REFUSED_OUTSIDE_TABLE,
+    CHECK, CHECK_LANES, REFUSAL_WORDS, REFUSED_BAD_INPUT, REFUSED_OUTSIDE_POOL,
+    REFUSED_OUTSIDE_TABLE,
 };
 use kvsan_kernels::cuda::{
     EngineFinding, EngineLayout, EngineRefusal, decode_engine_refusals, may_record,
@@ -41,6 +44,12 @@ fn harness() -> &'static Path {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda_check_host");
         std::fs::create_dir_all(&dir).expect("create the harness directory");
         let source = CHECK.code.to_str().expect("check.cu is UTF-8");
+        // Three lanes a row instead of the device's 64: the rows here are
+        // short, and with 3 lanes each lane walks several of a row's entries
+        // and the row's first refusal is settled across lanes.
+        let lanes = format!("#define KVSAN_CHECK_LANES {CHECK_LANES}u\n");
+        assert!(source.contains(&lanes), "check.cu defines {}", lanes.trim());
+        let source = source.replace(&lanes, "#define KVSAN_CHECK_LANES 3u\n");
         std::fs::write(dir.join("check_all.cu"), source).expect("write the kernel source");
         let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_host");
         let exe = dir.join(format!("harness-{}", std::process::id()));

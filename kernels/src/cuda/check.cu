@@ -53,8 +53,19 @@
 //     slots       the slots read (0 .. slots) or 1
 //     layer       the layer of the refused access, NONE for the bounds
 //
-// is written by the row's own thread: one thread per row, rows spread over
-// the grid (the checks of a row are a few loads a page).
+// is written once per row. The read checks (block table, CSR, token table)
+// give each row KVSAN_CHECK_LANES threads ("lanes"): lane l checks the
+// entries l, l + LANES, … of the row, each first for its bounds, then (until
+// the lane found a refused access) the access; it offers the lowest refusal
+// it found as a key (phase << 32 | entry, phase 0 for the bounds, 1 for an
+// access) to the row's word in `firsts` (kept inverted: zeroed before the
+// launch, atomicMax keeps the lowest key). The lane that arrives last
+// (`arrived`, zeroed before the launch) reads the row's lowest key and writes
+// its record, computed again for that entry: the same first refusal the
+// host finds walking the row in order (any bounds refusal before any
+// access, then the lowest entry). The store check gives each row one thread
+// (its tokens are a step's few, and a record pass stops at its first
+// refused token).
 //
 // The store kernel, with `record` set, then sets the written bit of every
 // slot it let through for every layer (atomicOr), as the host's
@@ -62,6 +73,7 @@
 // a refused one are not recorded.
 
 #define KVSAN_CHECK_THREADS 128
+#define KVSAN_CHECK_LANES 64u
 
 // The first row this thread checks, and the distance to its next.
 __device__ __forceinline__ unsigned int kvsan_first_row() {
@@ -106,6 +118,78 @@ __device__ __forceinline__ void kvsan_put_bounds(
                      KVSAN_NONE);
 }
 
+// The first (row, lane) task of this thread and the distance to its next:
+// task t is lane t % KVSAN_CHECK_LANES of row t / KVSAN_CHECK_LANES.
+__device__ __forceinline__ unsigned long long kvsan_first_task() {
+    return (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ unsigned long long kvsan_task_step() {
+    return (unsigned long long)gridDim.x * blockDim.x;
+}
+
+// One refusal of a row, as its record holds it (code 0: none).
+struct KvsanCheckRecord {
+    unsigned int code;
+    unsigned int index;
+    unsigned int page;
+    unsigned int current;
+    unsigned int slot;
+    unsigned int slots;
+    unsigned int layer;
+};
+
+__device__ __forceinline__ KvsanCheckRecord kvsan_bounds_record(
+    unsigned int code, unsigned int index, unsigned int page)
+{
+    KvsanCheckRecord r;
+    r.code = code;
+    r.index = index;
+    r.page = page;
+    r.current = KVSAN_NONE;
+    r.slot = KVSAN_NONE;
+    r.slots = KVSAN_NONE;
+    r.layer = KVSAN_NONE;
+    return r;
+}
+
+__device__ __forceinline__ KvsanCheckRecord kvsan_no_record() {
+    return kvsan_bounds_record(KVSAN_REFUSED_NONE, KVSAN_NONE, KVSAN_NONE);
+}
+
+// Offers entry `entry`'s refusal (phase 0 bounds, 1 access) as the row's first.
+__device__ __forceinline__ void kvsan_offer(
+    unsigned long long* __restrict__ firsts, unsigned int row, unsigned int phase,
+    unsigned int entry)
+{
+    const unsigned long long key = ((unsigned long long)phase << 32) | entry;
+    atomicMax(firsts + row, ~key);
+}
+
+// Whether this lane is the row's last to arrive (it then writes the record).
+// The fence puts this lane's offer before its arrival.
+__device__ __forceinline__ bool kvsan_last_lane(unsigned int* __restrict__ arrived,
+                                                unsigned int row)
+{
+    __threadfence();
+    return atomicAdd(arrived + row, 1u) == KVSAN_CHECK_LANES - 1u;
+}
+
+// The row's lowest key once every lane arrived (~0: no refusal).
+__device__ __forceinline__ unsigned long long kvsan_first_key(
+    unsigned long long* __restrict__ firsts, unsigned int row)
+{
+    __threadfence();
+    return ~atomicMax(firsts + row, 0ull);
+}
+
+__device__ __forceinline__ void kvsan_write_record(
+    unsigned int* __restrict__ refusals, unsigned int row, KvsanCheckRecord r)
+{
+    kvsan_put_record(refusals, row, r.code, r.index, r.page, r.current, r.slot, r.slots,
+                     r.layer);
+}
+
 // Whether a page index from an engine's buffer is a page of the pool.
 __device__ __forceinline__ bool kvsan_in_pool(long long index, unsigned int n_pages) {
     return index >= 0ll && index < (long long)n_pages;
@@ -145,7 +229,67 @@ __device__ unsigned int kvsan_check_page_layers(
     return KVSAN_REFUSED_NONE;
 }
 
-// Row r of a padded block table.
+// Reading slots lo .. hi of `page` (inside the pool) as access `index`
+// of a row, for every checked layer: its record, code 0 if it may be read.
+// `slots` is what the record says was read; a token's read (`token`)
+// records its slot when no written bit is missing.
+__device__ KvsanCheckRecord kvsan_access_record(
+    unsigned int index,
+    unsigned int page,
+    unsigned int lo,
+    unsigned int hi,
+    unsigned int slots,
+    bool token,
+    unsigned int layer_lo,
+    unsigned int layer_hi,
+    unsigned int page_slots,
+    const unsigned long long* __restrict__ records,
+    const unsigned long long* __restrict__ bits,
+    unsigned int stride,
+    unsigned long long reader)
+{
+    unsigned int current, layer, slot;
+    const unsigned int code = kvsan_check_page_layers(page, lo, hi, layer_lo, layer_hi, page_slots,
+                                                      records, bits, stride, reader, &current,
+                                                      &layer, &slot);
+    if (code == KVSAN_REFUSED_NONE) {
+        return kvsan_no_record();
+    }
+    KvsanCheckRecord r;
+    r.code = code;
+    r.index = index;
+    r.page = page;
+    r.current = current;
+    r.slot = token && slot == KVSAN_NONE ? lo : slot;
+    r.slots = slots;
+    r.layer = layer;
+    return r;
+}
+
+// A padded block table: row r, entry e.
+__device__ KvsanCheckRecord kvsan_block_table_entry(
+    unsigned int phase, unsigned int e, int len, unsigned long long base,
+    const int* __restrict__ block_table, unsigned long long n_table, unsigned int n_pages,
+    unsigned int page_slots, unsigned int layer_lo, unsigned int layer_hi,
+    const unsigned long long* __restrict__ records, const unsigned long long* __restrict__ bits,
+    unsigned int stride, unsigned long long reader)
+{
+    const unsigned long long at = base + e;
+    if (phase == 0u) {
+        if (at >= n_table) {
+            return kvsan_bounds_record(KVSAN_REFUSED_OUTSIDE_TABLE, e, KVSAN_NONE);
+        }
+        if (!kvsan_in_pool(block_table[at], n_pages)) {
+            return kvsan_bounds_record(KVSAN_REFUSED_OUTSIDE_POOL, e, (unsigned int)block_table[at]);
+        }
+        return kvsan_no_record();
+    }
+    const unsigned long long left = (unsigned long long)len - (unsigned long long)e * page_slots;
+    const unsigned int slots = left < page_slots ? (unsigned int)left : page_slots;
+    return kvsan_access_record(e, (unsigned int)block_table[at], 0u, slots, slots, false,
+                               layer_lo, layer_hi, page_slots, records, bits, stride, reader);
+}
+
 extern "C" __global__ void kvsan_check_block_table(
     const unsigned long long* __restrict__ records,
     const unsigned long long* __restrict__ bits,
@@ -160,47 +304,79 @@ extern "C" __global__ void kvsan_check_block_table(
     unsigned long long n_table,
     unsigned long long row_stride,
     const int* __restrict__ seq_lens,
+    unsigned long long* __restrict__ firsts,
+    unsigned int* __restrict__ arrived,
     unsigned int* __restrict__ refusals)
 {
-    for (unsigned int row = kvsan_first_row(); row < rows; row += kvsan_row_step()) {
+    const unsigned long long tasks = (unsigned long long)rows * KVSAN_CHECK_LANES;
+    for (unsigned long long task = kvsan_first_task(); task < tasks; task += kvsan_task_step()) {
+        const unsigned int row = (unsigned int)(task / KVSAN_CHECK_LANES);
+        const unsigned int lane = (unsigned int)(task % KVSAN_CHECK_LANES);
         const int len = seq_lens[row];
-        if (len < 0) {
-            kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
-            continue;
-        }
-        const unsigned long long entries =
-            ((unsigned long long)len + page_slots - 1ull) / page_slots;
         const unsigned long long base = (unsigned long long)row * row_stride;
-        bool usable = true;
-        for (unsigned long long e = 0; e < entries && usable; ++e) {
-            if (base + e >= n_table) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_TABLE, (unsigned int)e,
-                                 KVSAN_NONE);
-                usable = false;
-            } else if (!kvsan_in_pool(block_table[base + e], n_pages)) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_POOL, (unsigned int)e,
-                                 (unsigned int)block_table[base + e]);
-                usable = false;
+        if (len >= 0) {
+            const unsigned long long entries =
+                ((unsigned long long)len + page_slots - 1ull) / page_slots;
+            bool access_refused = false;
+            for (unsigned long long e = lane; e < entries; e += KVSAN_CHECK_LANES) {
+                if (kvsan_block_table_entry(0u, (unsigned int)e, len, base, block_table, n_table,
+                                            n_pages, page_slots, layer_lo, layer_hi, records,
+                                            bits, stride, owners[row])
+                        .code != KVSAN_REFUSED_NONE) {
+                    kvsan_offer(firsts, row, 0u, (unsigned int)e);
+                    break;
+                }
+                if (!access_refused
+                    && kvsan_block_table_entry(1u, (unsigned int)e, len, base, block_table,
+                                               n_table, n_pages, page_slots, layer_lo, layer_hi,
+                                               records, bits, stride, owners[row])
+                               .code != KVSAN_REFUSED_NONE) {
+                    kvsan_offer(firsts, row, 1u, (unsigned int)e);
+                    access_refused = true;
+                }
             }
         }
-        for (unsigned long long e = 0; e < entries && usable; ++e) {
-            const unsigned int page = (unsigned int)block_table[base + e];
-            const unsigned long long left = (unsigned long long)len - e * page_slots;
-            const unsigned int slots = left < page_slots ? (unsigned int)left : page_slots;
-            unsigned int current, layer, slot;
-            const unsigned int code = kvsan_check_page_layers(
-                page, 0u, slots, layer_lo, layer_hi, page_slots, records, bits, stride,
-                owners[row], &current, &layer, &slot);
-            if (code != KVSAN_REFUSED_NONE) {
-                kvsan_put_record(refusals, row, code, (unsigned int)e, page, current, slot, slots,
-                                 layer);
-                usable = false;
+        if (kvsan_last_lane(arrived, row)) {
+            if (len < 0) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
+                continue;
+            }
+            const unsigned long long key = kvsan_first_key(firsts, row);
+            if (key != ~0ull) {
+                kvsan_write_record(
+                    refusals, row,
+                    kvsan_block_table_entry((unsigned int)(key >> 32), (unsigned int)key, len,
+                                            base, block_table, n_table, n_pages, page_slots,
+                                            layer_lo, layer_hi, records, bits, stride,
+                                            owners[row]));
             }
         }
     }
 }
 
-// Row r of pages in CSR form.
+// Pages in CSR form: row r, entry e of its n (the row's offsets checked).
+__device__ KvsanCheckRecord kvsan_paged_csr_entry(
+    unsigned int phase, unsigned int e, unsigned int n, int start, int last,
+    const int* __restrict__ indices, unsigned long long n_indices, unsigned int n_pages,
+    unsigned int page_slots, unsigned int layer_lo, unsigned int layer_hi,
+    const unsigned long long* __restrict__ records, const unsigned long long* __restrict__ bits,
+    unsigned int stride, unsigned long long reader)
+{
+    const unsigned long long at = (unsigned long long)start + e;
+    if (phase == 0u) {
+        if (at >= n_indices) {
+            return kvsan_bounds_record(KVSAN_REFUSED_OUTSIDE_TABLE, e, KVSAN_NONE);
+        }
+        if (!kvsan_in_pool(indices[at], n_pages)) {
+            return kvsan_bounds_record(KVSAN_REFUSED_OUTSIDE_POOL, e, (unsigned int)indices[at]);
+        }
+        return kvsan_no_record();
+    }
+    const unsigned int slots = e + 1u == n ? (unsigned int)last : page_slots;
+    return kvsan_access_record(e, (unsigned int)indices[at], 0u, slots, slots, false, layer_lo,
+                               layer_hi, page_slots, records, bits, stride, reader);
+}
+
 extern "C" __global__ void kvsan_check_paged_csr(
     const unsigned long long* __restrict__ records,
     const unsigned long long* __restrict__ bits,
@@ -215,46 +391,83 @@ extern "C" __global__ void kvsan_check_paged_csr(
     const int* __restrict__ indices,
     unsigned long long n_indices,
     const int* __restrict__ last_page_len,
+    unsigned long long* __restrict__ firsts,
+    unsigned int* __restrict__ arrived,
     unsigned int* __restrict__ refusals)
 {
-    for (unsigned int row = kvsan_first_row(); row < rows; row += kvsan_row_step()) {
+    const unsigned long long tasks = (unsigned long long)rows * KVSAN_CHECK_LANES;
+    for (unsigned long long task = kvsan_first_task(); task < tasks; task += kvsan_task_step()) {
+        const unsigned int row = (unsigned int)(task / KVSAN_CHECK_LANES);
+        const unsigned int lane = (unsigned int)(task % KVSAN_CHECK_LANES);
         const int start = indptr[row];
         const int end = indptr[row + 1u];
         const int last = last_page_len[row];
-        if (start < 0 || end < start || last < 0
-            || (end > start && (last < 1 || (unsigned int)last > page_slots))) {
-            kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
-            continue;
-        }
-        const unsigned int n = (unsigned int)(end - start);
-        bool usable = true;
-        for (unsigned int e = 0; e < n && usable; ++e) {
-            const unsigned long long at = (unsigned long long)start + e;
-            if (at >= n_indices) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_TABLE, e, KVSAN_NONE);
-                usable = false;
-            } else if (!kvsan_in_pool(indices[at], n_pages)) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_POOL, e,
-                                 (unsigned int)indices[at]);
-                usable = false;
+        const bool bad = start < 0 || end < start || last < 0
+                         || (end > start && (last < 1 || (unsigned int)last > page_slots));
+        const unsigned int n = bad ? 0u : (unsigned int)(end - start);
+        bool access_refused = false;
+        for (unsigned int e = lane; e < n; e += KVSAN_CHECK_LANES) {
+            if (kvsan_paged_csr_entry(0u, e, n, start, last, indices, n_indices, n_pages,
+                                      page_slots, layer_lo, layer_hi, records, bits, stride,
+                                      owners[row])
+                    .code != KVSAN_REFUSED_NONE) {
+                kvsan_offer(firsts, row, 0u, e);
+                break;
+            }
+            if (!access_refused
+                && kvsan_paged_csr_entry(1u, e, n, start, last, indices, n_indices, n_pages,
+                                         page_slots, layer_lo, layer_hi, records, bits, stride,
+                                         owners[row])
+                           .code != KVSAN_REFUSED_NONE) {
+                kvsan_offer(firsts, row, 1u, e);
+                access_refused = true;
             }
         }
-        for (unsigned int e = 0; e < n && usable; ++e) {
-            const unsigned int page = (unsigned int)indices[(unsigned long long)start + e];
-            const unsigned int slots = e + 1u == n ? (unsigned int)last : page_slots;
-            unsigned int current, layer, slot;
-            const unsigned int code = kvsan_check_page_layers(
-                page, 0u, slots, layer_lo, layer_hi, page_slots, records, bits, stride,
-                owners[row], &current, &layer, &slot);
-            if (code != KVSAN_REFUSED_NONE) {
-                kvsan_put_record(refusals, row, code, e, page, current, slot, slots, layer);
-                usable = false;
+        if (kvsan_last_lane(arrived, row)) {
+            if (bad) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
+                continue;
+            }
+            const unsigned long long key = kvsan_first_key(firsts, row);
+            if (key != ~0ull) {
+                kvsan_write_record(
+                    refusals, row,
+                    kvsan_paged_csr_entry((unsigned int)(key >> 32), (unsigned int)key, n, start,
+                                          last, indices, n_indices, n_pages, page_slots, layer_lo,
+                                          layer_hi, records, bits, stride, owners[row]));
             }
         }
     }
 }
 
-// Row r of a token-level table.
+// A token-level table: row r, token t.
+__device__ KvsanCheckRecord kvsan_req_to_token_entry(
+    unsigned int phase, unsigned int t, unsigned long long base,
+    const int* __restrict__ req_to_token, unsigned long long n_table, unsigned int n_pages,
+    unsigned int page_slots, unsigned int layer_lo, unsigned int layer_hi,
+    const unsigned long long* __restrict__ records, const unsigned long long* __restrict__ bits,
+    unsigned int stride, unsigned long long reader)
+{
+    if (phase == 0u) {
+        if (base + t >= n_table) {
+            return kvsan_bounds_record(KVSAN_REFUSED_OUTSIDE_TABLE, t, KVSAN_NONE);
+        }
+        const int loc = req_to_token[base + t];
+        if (loc < 0) {
+            return kvsan_bounds_record(KVSAN_REFUSED_BAD_INPUT, t, KVSAN_NONE);
+        }
+        if (!kvsan_in_pool(loc / (int)page_slots, n_pages)) {
+            return kvsan_bounds_record(KVSAN_REFUSED_OUTSIDE_POOL, t,
+                                       (unsigned int)(loc / (int)page_slots));
+        }
+        return kvsan_no_record();
+    }
+    const unsigned int loc = (unsigned int)req_to_token[base + t];
+    const unsigned int at = loc % page_slots;
+    return kvsan_access_record(t, loc / page_slots, at, at + 1u, 1u, true, layer_lo, layer_hi,
+                               page_slots, records, bits, stride, reader);
+}
+
 extern "C" __global__ void kvsan_check_req_to_token(
     const unsigned long long* __restrict__ records,
     const unsigned long long* __restrict__ bits,
@@ -270,45 +483,48 @@ extern "C" __global__ void kvsan_check_req_to_token(
     unsigned long long row_stride,
     const int* __restrict__ req_indices,
     const int* __restrict__ seq_lens,
+    unsigned long long* __restrict__ firsts,
+    unsigned int* __restrict__ arrived,
     unsigned int* __restrict__ refusals)
 {
-    for (unsigned int row = kvsan_first_row(); row < rows; row += kvsan_row_step()) {
+    const unsigned long long tasks = (unsigned long long)rows * KVSAN_CHECK_LANES;
+    for (unsigned long long task = kvsan_first_task(); task < tasks; task += kvsan_task_step()) {
+        const unsigned int row = (unsigned int)(task / KVSAN_CHECK_LANES);
+        const unsigned int lane = (unsigned int)(task % KVSAN_CHECK_LANES);
         const int req = req_indices[row];
         const int len = seq_lens[row];
-        if (req < 0 || len < 0) {
-            kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
-            continue;
+        const bool bad = req < 0 || len < 0;
+        const unsigned long long base = bad ? 0ull : (unsigned long long)req * row_stride;
+        const unsigned int n = bad ? 0u : (unsigned int)len;
+        bool access_refused = false;
+        for (unsigned int t = lane; t < n; t += KVSAN_CHECK_LANES) {
+            if (kvsan_req_to_token_entry(0u, t, base, req_to_token, n_table, n_pages, page_slots,
+                                         layer_lo, layer_hi, records, bits, stride, owners[row])
+                    .code != KVSAN_REFUSED_NONE) {
+                kvsan_offer(firsts, row, 0u, t);
+                break;
+            }
+            if (!access_refused
+                && kvsan_req_to_token_entry(1u, t, base, req_to_token, n_table, n_pages,
+                                            page_slots, layer_lo, layer_hi, records, bits, stride,
+                                            owners[row])
+                           .code != KVSAN_REFUSED_NONE) {
+                kvsan_offer(firsts, row, 1u, t);
+                access_refused = true;
+            }
         }
-        const unsigned long long base = (unsigned long long)req * row_stride;
-        bool usable = true;
-        for (unsigned int t = 0; t < (unsigned int)len && usable; ++t) {
-            if (base + t >= n_table) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_TABLE, t, KVSAN_NONE);
-                usable = false;
+        if (kvsan_last_lane(arrived, row)) {
+            if (bad) {
+                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
                 continue;
             }
-            const int loc = req_to_token[base + t];
-            if (loc < 0) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, t, KVSAN_NONE);
-                usable = false;
-            } else if (!kvsan_in_pool(loc / (int)page_slots, n_pages)) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_OUTSIDE_POOL, t,
-                                 (unsigned int)(loc / (int)page_slots));
-                usable = false;
-            }
-        }
-        for (unsigned int t = 0; t < (unsigned int)len && usable; ++t) {
-            const unsigned int loc = (unsigned int)req_to_token[base + t];
-            const unsigned int page = loc / page_slots;
-            const unsigned int at = loc % page_slots;
-            unsigned int current, layer, slot;
-            const unsigned int code = kvsan_check_page_layers(
-                page, at, at + 1u, layer_lo, layer_hi, page_slots, records, bits, stride,
-                owners[row], &current, &layer, &slot);
-            if (code != KVSAN_REFUSED_NONE) {
-                kvsan_put_record(refusals, row, code, t, page, current,
-                                 slot == KVSAN_NONE ? at : slot, 1u, layer);
-                usable = false;
+            const unsigned long long key = kvsan_first_key(firsts, row);
+            if (key != ~0ull) {
+                kvsan_write_record(
+                    refusals, row,
+                    kvsan_req_to_token_entry((unsigned int)(key >> 32), (unsigned int)key, base,
+                                             req_to_token, n_table, n_pages, page_slots, layer_lo,
+                                             layer_hi, records, bits, stride, owners[row]));
             }
         }
     }

@@ -20,6 +20,7 @@
 //! pages' records, not the requests').
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg};
 use kvsan_ids::{Generation, PageId, PageRef};
@@ -28,7 +29,7 @@ use kvsan_sanitizer::ViolationKind;
 use super::error::CudaError;
 use super::shadow::CudaKernelShadow;
 use super::source::{
-    CHECK_BLOCK_TABLE_KERNEL, CHECK_PAGED_CSR_KERNEL, CHECK_REQ_TO_TOKEN_KERNEL,
+    CHECK_BLOCK_TABLE_KERNEL, CHECK_LANES, CHECK_PAGED_CSR_KERNEL, CHECK_REQ_TO_TOKEN_KERNEL,
     CHECK_SLOT_MAPPING_KERNEL, CHECK_THREADS, REFUSAL_WORDS, REFUSED_ARBITRATE, REFUSED_BAD_INPUT,
     REFUSED_FOREIGN_READ, REFUSED_FOREIGN_WRITE, REFUSED_GENERATION_MISMATCH, REFUSED_NONE,
     REFUSED_OUTSIDE_POOL, REFUSED_OUTSIDE_TABLE, REFUSED_READ_DURING_TRANSFER,
@@ -338,16 +339,44 @@ pub(super) struct CheckLaunch<'a> {
 /// # Safety
 /// `args.rows` ≥ 1 and every per-row buffer has its rows
 /// ([`EngineBatch::check_rows`]); `owners` holds `rows` words and
-/// `refusals` `REFUSAL_WORDS × rows` zeroed ones; the layers are inside the
+/// `refusals` `REFUSAL_WORDS × rows` zeroed ones (the read checks' scratch,
+/// one first-refusal word and one lane count per row, is allocated here,
+/// zeroed); the layers are inside the
 /// shadow's layout; every buffer lives on the shadow's context.
 pub(super) unsafe fn launch_check(
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     args: CheckLaunch<'_>,
     refusals: &mut CudaSlice<u32>,
 ) -> Result<(), CudaError> {
-    let blocks = u64::from(args.rows)
+    // The read checks give each row CHECK_LANES threads, the store check one.
+    let lanes = if args.batch.layout().stores() {
+        1
+    } else {
+        u64::from(CHECK_LANES)
+    };
+    let blocks = (u64::from(args.rows) * lanes)
         .div_ceil(u64::from(CHECK_THREADS))
         .clamp(1, CHECK_BLOCKS);
+    // The read checks' per-row scratch: each row's first refusal as its
+    // lanes offer it, and the lanes arrived (both zeroed).
+    let scratch = |what| CudaError::driver(what);
+    let (firsts, arrived) = if args.batch.layout().stores() {
+        (None, None)
+    } else {
+        let rows = args.rows as usize;
+        (
+            Some(
+                stream
+                    .alloc_zeros::<u64>(rows)
+                    .map_err(scratch("allocate the check's first refusals"))?,
+            ),
+            Some(
+                stream
+                    .alloc_zeros::<u32>(rows)
+                    .map_err(scratch("allocate the check's lane counts"))?,
+            ),
+        )
+    };
     let config = LaunchConfig {
         grid_dim: (u32::try_from(blocks).unwrap_or(1), 1, 1),
         block_dim: (CHECK_THREADS, 1, 1),
@@ -434,6 +463,9 @@ pub(super) unsafe fn launch_check(
             .arg(&entries)
             .arg(&record),
     };
+    if let (Some(firsts), Some(arrived)) = (&firsts, &arrived) {
+        launch.arg(firsts).arg(arrived);
+    }
     launch.arg(refusals);
     // SAFETY: the argument list matches the layout's kernel in check.cu in
     // order and type (buffers as device pointers, u32/u64 scalars by

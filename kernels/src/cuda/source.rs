@@ -152,6 +152,9 @@ pub const REFUSED_BAD_INPUT: u32 = 12;
 /// Threads per block of the check kernels (`KVSAN_CHECK_THREADS`).
 pub const CHECK_THREADS: u32 = 128;
 
+/// Threads ("lanes") per row of the read check kernels (`KVSAN_CHECK_LANES`).
+pub const CHECK_LANES: u32 = 64;
+
 /// The f16 bit pattern the poison kernel fills pages with
 /// (`KVSAN_POISON_F16`): a quiet NaN with payload `0x5A`, distinct from the
 /// NaNs arithmetic produces (`0x7FFF` on GPUs, `0x7E00` on x86), so a dump
@@ -210,6 +213,8 @@ mod tests {
         }
         let check = format!("#define KVSAN_CHECK_THREADS {CHECK_THREADS}\n");
         assert!(text(&CHECK).contains(&check), "missing `{}`", check.trim());
+        let lanes = format!("#define KVSAN_CHECK_LANES {CHECK_LANES}u\n");
+        assert!(text(&CHECK).contains(&lanes), "missing `{}`", lanes.trim());
         let pages = text(&PAGES);
         let poison = format!("#define KVSAN_POISON_F16 ((unsigned short)0x{POISON_F16_BITS:X}u)\n");
         assert!(pages.contains(&poison), "missing `{}`", poison.trim());

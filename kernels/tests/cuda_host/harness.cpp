@@ -59,6 +59,9 @@ int main() {
     std::vector<unsigned long long> bits = array<unsigned long long>(&n_bits);
     std::vector<unsigned long long> owners = array<unsigned long long>(&n);
     std::vector<unsigned int> refusals(KVSAN_REFUSAL_WORDS * (rows == 0 ? 1 : rows), 0u);
+    // The read checks' per-row scratch, zeroed as the launcher zeroes it.
+    std::vector<unsigned long long> firsts(rows == 0 ? 1 : rows, 0ull);
+    std::vector<unsigned int> arrived(rows == 0 ? 1 : rows, 0u);
 
     unsigned long long la = 0, lb = 0, lc = 0, ld = 0;
     std::vector<int> a, b, c, d;
@@ -101,17 +104,20 @@ int main() {
             case 0:
                 kvsan_check_block_table(records.data(), bits.data(), n_pages, page_slots, stride,
                                         layer_lo, layer_hi, owners.data(), rows, a.data(), la,
-                                        row_stride, b.data(), refusals.data());
+                                        row_stride, b.data(), firsts.data(), arrived.data(),
+                                        refusals.data());
                 break;
             case 1:
                 kvsan_check_paged_csr(records.data(), bits.data(), n_pages, page_slots, stride,
                                       layer_lo, layer_hi, owners.data(), rows, a.data(),
-                                      b.data(), lb, c.data(), refusals.data());
+                                      b.data(), lb, c.data(), firsts.data(), arrived.data(),
+                                      refusals.data());
                 break;
             case 2:
                 kvsan_check_req_to_token(records.data(), bits.data(), n_pages, page_slots, stride,
                                          layer_lo, layer_hi, owners.data(), rows, a.data(), la,
-                                         row_stride, b.data(), c.data(), refusals.data());
+                                         row_stride, b.data(), c.data(), firsts.data(),
+                                         arrived.data(), refusals.data());
                 break;
             default:
                 kvsan_check_slot_mapping(records.data(), bits.data(), n_pages, page_slots,

@@ -24,3 +24,18 @@ static inline unsigned long long atomicOr(unsigned long long* address, unsigned 
     *address = old | value;
     return old;
 }
+
+static inline unsigned long long atomicMax(unsigned long long* address, unsigned long long value) {
+    const unsigned long long old = *address;
+    *address = old > value ? old : value;
+    return old;
+}
+
+static inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+    const unsigned int old = *address;
+    *address = old + value;
+    return old;
+}
+
+// One thread at a time: every write is seen by the next thread.
+static inline void __threadfence() {}
