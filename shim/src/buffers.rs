@@ -85,3 +85,16 @@ impl DeviceBuffers {
         }
     }
 }
+
+/// The CUDA device ordinal `device` (a C `int32_t`), refused if negative.
+pub(crate) fn device_ordinal(
+    call: &'static str,
+    device: i32,
+) -> Result<usize, crate::error::ShimError> {
+    usize::try_from(device).map_err(|_| crate::error::ShimError::InvalidArgument {
+        call,
+        argument: "device",
+        value: device as u64,
+        allowed: "a CUDA device ordinal, 0 or more",
+    })
+}

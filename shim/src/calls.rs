@@ -16,7 +16,7 @@ use kvsan_sanitizer::{
 };
 
 use crate::attach::{sanitizer, say};
-use crate::buffers::DeviceBuffers;
+use crate::buffers::{DeviceBuffers, device_ordinal};
 use crate::error::ShimError;
 
 fn sanitizer_error(
@@ -104,16 +104,6 @@ unsafe fn row_owners(
 pub(crate) struct BatchArrays {
     pub owners: *const KvsanOwner,
     pub rows: usize,
-}
-
-/// The CUDA device ordinal `device` (a C `int32_t`), refused if negative.
-pub(crate) fn device_ordinal(call: &'static str, device: i32) -> Result<usize, ShimError> {
-    usize::try_from(device).map_err(|_| ShimError::InvalidArgument {
-        call,
-        argument: "device",
-        value: device as u64,
-        allowed: "a CUDA device ordinal, 0 or more",
-    })
 }
 
 /// A batch check over device buffers (`kvsan_check_*_device`): the owners

@@ -179,7 +179,7 @@ pub(crate) fn describe(
     device: i32,
     planes: &[KvsanNvtxPlane],
 ) -> Result<(), ShimError> {
-    let ordinal = crate::calls::device_ordinal(call, device)?;
+    let ordinal = crate::buffers::device_ordinal(call, device)?;
     if planes.is_empty() {
         return Err(ShimError::InvalidArgument {
             call,
