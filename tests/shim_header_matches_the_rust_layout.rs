@@ -10,7 +10,8 @@ use std::process::Command;
 
 use kvsan_sanitizer::abi::{
     self, HOOK_TABLE_VERSION_MAJOR, HOOK_TABLE_VERSION_MINOR, KVSAN_FLAG_POISON,
-    KVSAN_VERDICT_ABORT, KVSAN_VERDICT_CONTINUE, KVSAN_VERDICT_ERROR, REQUEST_EVENTS, STATUSES,
+    KVSAN_POOL_REPORTS_LANDING, KVSAN_VERDICT_ABORT, KVSAN_VERDICT_CONTINUE, KVSAN_VERDICT_ERROR,
+    REQUEST_EVENTS, STATUSES,
 };
 use kvsan_sanitizer::{AccessOp, NodeRole};
 
@@ -49,12 +50,14 @@ fn rows() -> Vec<(String, i64, String)> {
         KvsanPoolGeometry { pages, page_slots, layers, role, bytes_per_slot, node, node_len }
         KvsanManifest { request, src_pool, dst_pool, src_pages, src_len, dst_pages, dst_len,
                         first_token, tokens, layers, checksum }
+        KvsanPageLanding { request, page, first_token, slots, layers, sent_digest,
+                           landed_digest }
         KvsanVerdict { code, kind, violation_id }
         KvsanHookTable { size, version_major, version_minor, flags, quarantine_pages, ctx,
                          pool_register, request_event, alloc, free, write, read,
                          transfer_send, transfer_recv, transfer_commit,
                          kernel_shadow, kernel_refusal, request_event_at,
-                         share, declare_salt }
+                         share, declare_salt, transfer_land, transfer_verify }
         KvsanKernelShadow { size, layout_version, pages, page_slots, layers, record_size,
                             stride_words, reserved, records, bits, counters }
         KvsanKernelAccess { op, layer, page, slots, entry, reserved }
@@ -72,6 +75,10 @@ fn rows() -> Vec<(String, i64, String)> {
     constant("KVSAN_VERDICT_ABORT", KVSAN_VERDICT_ABORT.into());
     constant("KVSAN_VERDICT_ERROR", KVSAN_VERDICT_ERROR.into());
     constant("KVSAN_FLAG_POISON", KVSAN_FLAG_POISON.into());
+    constant(
+        "KVSAN_POOL_REPORTS_LANDING",
+        KVSAN_POOL_REPORTS_LANDING.into(),
+    );
     // u64::MAX both sides, printed through `long long`.
     constant(
         "KVSAN_PREFIX_CACHE_REQUEST",
@@ -146,9 +153,12 @@ fn every_size_offset_and_constant_of_kvsan_h_equals_the_rust_abi() {
     );
     // The documented LP64 sizes.
     for (label, want) in [
-        ("sizeof KvsanHookTable", 136),
+        ("sizeof KvsanHookTable", 152),
         ("offsetof KvsanHookTable.kernel_shadow", 96),
         ("offsetof KvsanHookTable.share", 120),
+        ("offsetof KvsanHookTable.transfer_land", 136),
+        ("offsetof KvsanHookTable.transfer_verify", 144),
+        ("sizeof KvsanPageLanding", 64),
         ("sizeof KvsanKernelShadow", 56),
         ("sizeof KvsanKernelAccess", 32),
         ("sizeof KvsanManifest", 80),

@@ -37,8 +37,10 @@ unsafe extern "C" fn pool_register(
     let Some(geometry) = (unsafe { (*g).to_geometry() }) else {
         return KvsanVerdict::ERROR;
     };
+    // SAFETY: as above.
+    let landing = unsafe { (*g).landing() };
     // SAFETY: see `san`.
-    match unsafe { san(ctx) }.pool_register(geometry) {
+    match unsafe { san(ctx) }.pool_register_with(geometry, landing) {
         Ok(id) => {
             // SAFETY: the engine hands a writable u32.
             unsafe { *pool_out = id.0 };
@@ -247,6 +249,10 @@ fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
         request_event_at: Some(request_event_at),
         share: Some(share),
         declare_salt: Some(declare_salt),
+        // A 1.2 library has no landing hooks: the engine registers its
+        // pools as reporting none.
+        transfer_land: None,
+        transfer_verify: None,
     }
 }
 

@@ -14,14 +14,15 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!
-//!  KvsanHookTable (136 bytes on LP64, #[repr(C)], version 1.4, laid out
-//!  as 1.2 (1.3 and 1.4 added C functions, not hooks); a 1.1 table ends after
-//!  request_event_at, 120 bytes; a 1.0 table before kernel_shadow, 96 bytes)
+//!  KvsanHookTable (152 bytes on LP64, #[repr(C)], version 1.5; a 1.2 to
+//!  1.4 table ends after declare_salt, 136 bytes (1.3 and 1.4 added C
+//!  functions, not hooks); a 1.1 table after request_event_at, 120 bytes; a
+//!  1.0 table before kernel_shadow, 96 bytes)
 //!  offset size
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
 //!  |  4 |  2 | version_major   u16  1; another major is not attached          |
-//!  |  6 |  2 | version_minor   u16  4; a newer minor only appends fields      |
+//!  |  6 |  2 | version_minor   u16  5; a newer minor only appends fields      |
 //!  |  8 |  4 | flags           u32  bit 0 KVSAN_FLAG_POISON: poison freed pages|
 //!  | 12 |  4 | quarantine_pages u32 freed pages held back before reuse       |
 //!  | 16 |  8 | ctx             void* passed as first argument to every hook  |
@@ -43,6 +44,8 @@
 //!  |112 |  8 | request_event_at (ctx, u32 pool, KvsanOwner, u32 event)   1.1  |
 //!  |120 |  8 | share           (ctx, u32 pool, KvsanPageRef, KvsanOwner) 1.2  |
 //!  |128 |  8 | declare_salt    (ctx, KvsanOwner, u64 salt)               1.2  |
+//!  |136 |  8 | transfer_land   (ctx, u32 pool, const KvsanPageLanding*)  1.5  |
+//!  |144 |  8 | transfer_verify (ctx, u32 pool, const KvsanPageLanding*)  1.5  |
 //!  +----+----+---------------------------------------------------------------+
 //!  every hook returns KvsanVerdict by value:
 //!  +----+----+---------------------------------------------------------------+
@@ -55,13 +58,17 @@
 //!  KvsanPageRef     { u32 page; u32 generation }                          8 bytes
 //!  KvsanRange       { u32 start; u32 end }   (half-open)                  8 bytes
 //!  KvsanPoolGeometry{ u32 pages, page_slots, layers, role (0 unified,
-//!                     1 prefill, 2 decode); u64 bytes_per_slot;
+//!                     1 prefill, 2 decode; | 0x100 KVSAN_POOL_REPORTS_LANDING);
+//!                     u64 bytes_per_slot;
 //!                     const u8 *node; size_t node_len (UTF-8) }          40 bytes
 //!  KvsanManifest    { KvsanOwner request; u32 src_pool, dst_pool;
 //!                     const KvsanPageRef *src_pages; size_t src_len;
 //!                     const KvsanPageRef *dst_pages; size_t dst_len;
 //!                     u32 first_token, tokens; KvsanRange layers;
 //!                     u64 checksum }                                     80 bytes
+//!  KvsanPageLanding { KvsanOwner request; KvsanPageRef page;
+//!                     u64 first_token; KvsanRange slots, layers;
+//!                     u64 sent_digest, landed_digest }                   64 bytes
 //!  KvsanKernelShadow{ u32 size, layout_version, pages, page_slots, layers,
 //!                     record_size, stride_words, reserved;
 //!                     const void *records; const u64 *bits;
@@ -78,6 +85,15 @@
 //! read-only reference to a page, released with `free`; `declare_salt`
 //! sets a request's cache salt before it takes pages. A 1.1 library has
 //! neither: an engine then shares pages unchecked.
+//!
+//! `transfer_recv` reserves a transfer's destination pages; `transfer_land`
+//! checks each copy of received KV into a page before it writes (only then
+//! are its slots written) and `transfer_verify` compares the receiver's
+//! digest of what a page holds with the sender's. An engine that calls
+//! them sets `KVSAN_POOL_REPORTS_LANDING` in its pool's `role`; for a pool
+//! without it (an engine built before 1.5) `transfer_recv` marks the
+//! manifest's slots written, as before, and where the bytes land is not
+//! checked.
 //!
 //! `request_event` moves the whole process's view of a request;
 //! `request_event_at` moves the view of the node that owns `pool` only, so
@@ -112,8 +128,8 @@ use crate::kernel_shadow::{
 use crate::shadow::{BitLayout, PageShadow};
 use crate::sync::AtomicU64;
 use crate::{
-    Generation, Manifest, NodeRole, Owner, PageId, PageRef, PoolGeometry, PoolId, RequestEvent,
-    RequestId, SanitizerError, TenantId, Verdict, ViolationKind,
+    Generation, Landing, Manifest, NodeRole, Owner, PageId, PageLanding, PageRef, PoolGeometry,
+    PoolId, RequestEvent, RequestId, SanitizerError, TenantId, Verdict, ViolationKind,
 };
 
 /// The exported getter the engine looks up: `const KvsanHookTable *kvsan_hook_table_v1(void)`.
@@ -123,8 +139,15 @@ pub const HOOK_TABLE_VERSION_MAJOR: u16 = 1;
 /// The table's minor version (a newer minor only appends fields), which
 /// is also the C ABI's: 3 added the batch checks over device buffers and
 /// `KVSAN_ERR_DEVICE`; 4 the NVTX registration of an engine's pool
-/// (`kvsan_nvtx_*`, [`KvsanNvtxPlane`]); neither added a table field.
-pub const HOOK_TABLE_VERSION_MINOR: u16 = 4;
+/// (`kvsan_nvtx_*`, [`KvsanNvtxPlane`]), neither a table field; 5 the
+/// landing hooks `transfer_land` and `transfer_verify`
+/// ([`KvsanPageLanding`]) and [`KVSAN_POOL_REPORTS_LANDING`].
+pub const HOOK_TABLE_VERSION_MINOR: u16 = 5;
+/// Bit of [`KvsanPoolGeometry::role`]: the engine reports where received KV
+/// lands (`transfer_land`, `transfer_verify`), so `transfer_recv` only
+/// reserves the destination pages ([`crate::Landing::Reported`]). Without
+/// it the pool is [`crate::Landing::Manifest`].
+pub const KVSAN_POOL_REPORTS_LANDING: u32 = 0x100;
 /// `flags` bit: poison-fill freed pages.
 pub const KVSAN_FLAG_POISON: u32 = 1;
 /// Verdict code: go on.
@@ -227,6 +250,56 @@ pub struct KvsanManifest {
     pub layers: KvsanRange,
     /// The engine's checksum of the bytes.
     pub checksum: u64,
+}
+
+/// One destination page of a transfer ([`PageLanding`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvsanPageLanding {
+    /// The request whose KV lands.
+    pub request: KvsanOwner,
+    /// The page written, through the writer's tag.
+    pub page: KvsanPageRef,
+    /// The token position landing in `slots.start`.
+    pub first_token: u64,
+    /// The slots written.
+    pub slots: KvsanRange,
+    /// The layers written.
+    pub layers: KvsanRange,
+    /// The sender's digest of these tokens' KV (`transfer_verify`).
+    pub sent_digest: u64,
+    /// The receiver's digest of what the slots hold now (`transfer_verify`).
+    pub landed_digest: u64,
+}
+
+impl KvsanPageLanding {
+    /// The C view of `l`.
+    #[must_use]
+    pub fn borrow(l: &PageLanding) -> KvsanPageLanding {
+        KvsanPageLanding {
+            request: l.request.into(),
+            page: l.page.into(),
+            first_token: l.first_token,
+            slots: l.slots.clone().into(),
+            layers: l.layers.clone().into(),
+            sent_digest: l.sent_digest,
+            landed_digest: l.landed_digest,
+        }
+    }
+
+    /// The Rust landing.
+    #[must_use]
+    pub fn to_landing(&self) -> PageLanding {
+        PageLanding {
+            request: self.request.into(),
+            page: self.page.into(),
+            first_token: self.first_token,
+            slots: self.slots.into(),
+            layers: self.layers.into(),
+            sent_digest: self.sent_digest,
+            landed_digest: self.landed_digest,
+        }
+    }
 }
 
 /// Where a pool's kernel shadow lives ([`crate::kernel_shadow`]): the
@@ -415,6 +488,9 @@ pub type RequestEventAtFn = fn_of::request_event_at;
 pub type ShareFn = fn_of::share;
 /// `declare_salt`: a request's cache salt, before it takes pages.
 pub type DeclareSaltFn = fn_of::declare_salt;
+/// `transfer_land` and `transfer_verify`: one destination page of a
+/// transfer.
+pub type LandingFn = fn_of::transfer_land;
 
 macro_rules! define_hook_table {
     ($(
@@ -689,22 +765,38 @@ pub fn event_from_code(code: u32) -> Option<RequestEvent> {
 }
 
 impl KvsanPoolGeometry {
-    /// The C view of `g`, borrowing its node name.
+    /// The C view of `g`, borrowing its node name, for an engine that
+    /// reports its landings as `landing` says.
     #[must_use]
-    pub fn borrow(g: &PoolGeometry) -> KvsanPoolGeometry {
+    pub fn borrow(g: &PoolGeometry, landing: Landing) -> KvsanPoolGeometry {
+        let reports = match landing {
+            Landing::Reported => KVSAN_POOL_REPORTS_LANDING,
+            Landing::Manifest => 0,
+        };
         KvsanPoolGeometry {
             pages: g.pages,
             page_slots: g.page_slots,
             layers: g.layers,
-            role: role_code(g.role),
+            role: role_code(g.role) | reports,
             bytes_per_slot: g.bytes_per_slot,
             node: g.node.as_ptr(),
             node_len: g.node.len(),
         }
     }
 
-    /// The Rust geometry; `None` for an unknown role or a name that is not
-    /// UTF-8.
+    /// How the engine reports landings: [`KVSAN_POOL_REPORTS_LANDING`] in
+    /// `role` or not.
+    #[must_use]
+    pub fn landing(&self) -> Landing {
+        if self.role & KVSAN_POOL_REPORTS_LANDING == 0 {
+            Landing::Manifest
+        } else {
+            Landing::Reported
+        }
+    }
+
+    /// The Rust geometry (without the landing bit of `role`); `None` for an
+    /// unknown role or a name that is not UTF-8.
     ///
     /// # Safety
     /// - `node` is null with `node_len` 0, or points to `node_len` readable bytes.
@@ -718,7 +810,7 @@ impl KvsanPoolGeometry {
             page_slots: self.page_slots,
             layers: self.layers,
             bytes_per_slot: self.bytes_per_slot,
-            role: role_from_code(self.role)?,
+            role: role_from_code(self.role & !KVSAN_POOL_REPORTS_LANDING)?,
             node: std::str::from_utf8(node).ok()?.to_string(),
         })
     }
@@ -980,7 +1072,11 @@ mod tests {
         assert_eq!(HOOK_TABLE_V1_0_SIZE, 96);
         assert_eq!(HOOK_TABLE_V1_1_SIZE, 120);
         assert_eq!(hook_table_size(2), 136);
-        assert_eq!(hook_table_size(2), size_of::<KvsanHookTable>());
+        assert_eq!(hook_table_size(4), 136);
+        assert_eq!(hook_table_size(5), 152);
+        assert_eq!(hook_table_size(5), size_of::<KvsanHookTable>());
+        assert_eq!(KvsanHookTable::offset_of(Hook::TransferLand), Some(136));
+        assert_eq!(KvsanHookTable::offset_of(Hook::TransferVerify), Some(144));
         assert_eq!(KvsanHookTable::offset_of(Hook::Share), Some(120));
         assert_eq!(KvsanHookTable::offset_of(Hook::DeclareSalt), Some(128));
         assert_eq!(Hook::Share.table_minor(), Some(2));

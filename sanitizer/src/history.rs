@@ -22,8 +22,10 @@ pub enum EventKind {
     Write,
     /// Slots shipped to another node.
     Send,
-    /// Slots landed from another node.
+    /// A transfer from another node arrived for these slots (reserved).
     Recv,
+    /// A copy put received KV into these slots.
+    Land,
     /// The receiver committed the transfer.
     Commit,
     /// Shared read-only with another request (prefix cache).
@@ -41,6 +43,7 @@ impl EventKind {
             EventKind::Write => "write",
             EventKind::Send => "send",
             EventKind::Recv => "recv",
+            EventKind::Land => "land",
             EventKind::Commit => "commit",
             EventKind::Share => "share",
             EventKind::Free => "free",

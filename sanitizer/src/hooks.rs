@@ -147,8 +147,8 @@ macro_rules! for_each_hook {
                 export(kvsan_transfer_send, verdict),
                 engine(fn transfer_send(pool: PoolId, manifest: &Manifest) -> Verdict);
 
-            /// The bytes `manifest` describes landed in the receiver's (pool
-            /// `pool`) pages.
+            /// A transfer of what `manifest` describes arrives at the
+            /// receiver's (pool `pool`) pages, which it reserves for it.
             TransferRecv = transfer_recv(pool: u32, manifest: *const KvsanManifest [manifest_size])
                 => WriteAfterFree,
                 table(0, TransferFn),
@@ -233,6 +233,29 @@ macro_rules! for_each_hook {
                 table(2, DeclareSaltFn),
                 export(kvsan_declare_salt, verdict),
                 engine(fn declare_salt(owner: Owner, salt: u64) -> Verdict);
+
+            /// A copy is about to put received KV into one destination page
+            /// (pool `pool`): the page, slots, layers and tokens it writes.
+            /// Only on `Continue` may it write; only then do the slots count
+            /// as written.
+            TransferLand = transfer_land(
+                pool: u32,
+                landing: *const KvsanPageLanding [landing_size]
+            ) => MisdirectedTransfer,
+                table(5, LandingFn),
+                export(kvsan_transfer_land, verdict),
+                engine(fn transfer_land(pool: PoolId, landing: &PageLanding) -> Verdict);
+
+            /// Received KV is in one destination page (pool `pool`): the
+            /// receiver's digest of what the page holds there against the
+            /// sender's digest of those tokens.
+            TransferVerify = transfer_verify(
+                pool: u32,
+                landing: *const KvsanPageLanding [landing_size]
+            ) => TransferDigestMismatch,
+                table(5, LandingFn),
+                export(kvsan_transfer_verify, verdict),
+                engine(fn transfer_verify(pool: PoolId, landing: &PageLanding) -> Verdict);
         }
     };
 

@@ -64,5 +64,5 @@ pub use report::{PageReport, Report, ReportBuffer};
 pub use sanitizer::{MAX_POOLS, PageInfo, Sanitizer};
 pub use shadow::PageState;
 pub use stats::Checks;
-pub use transfer::Manifest;
+pub use transfer::{Landing, Manifest, PageLanding};
 pub use violation::{Verdict, Violation, ViolationId, ViolationKind};

@@ -13,10 +13,13 @@ use crate::ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId};
 use crate::kernel_shadow::{KernelCounters, KernelShadow};
 use crate::shadow::{BitLayout, FLAG_SHARED, PageShadow, PageView, StateWord};
 use crate::sync::AtomicU64;
+use crate::transfer::Landing;
 
 pub(crate) struct ShadowPool {
     pub(crate) id: PoolId,
     pub(crate) geometry: PoolGeometry,
+    /// Whether the engine reports where received KV lands.
+    pub(crate) landing: Landing,
     pub(crate) layout: BitLayout,
     records: Box<[PageShadow]>,
     bits: Box<[AtomicU64]>,
@@ -35,6 +38,7 @@ impl ShadowPool {
     pub(crate) fn new(
         id: PoolId,
         geometry: PoolGeometry,
+        landing: Landing,
         history_depth: u32,
         quarantine_pages: u32,
     ) -> ShadowPool {
@@ -42,6 +46,7 @@ impl ShadowPool {
         let pages = geometry.pages as usize;
         ShadowPool {
             id,
+            landing,
             layout,
             records: (0..pages).map(|_| PageShadow::new()).collect(),
             bits: (0..pages * layout.stride)

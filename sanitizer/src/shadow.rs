@@ -761,8 +761,10 @@ impl PageView<'_> {
         }
     }
 
-    /// Bytes land in `slots × layers` for the request `who` through a
-    /// `PageRef` at `generation`; the page becomes Receiving.
+    /// A transfer for the request `who` is to land in `slots × layers`
+    /// through a `PageRef` at `generation`; the page becomes Receiving. With
+    /// `mark`, the slots count as written now (a pool whose engine reports
+    /// no landing, [`crate::Landing::Manifest`]).
     ///
     /// # Errors
     /// `write-after-free` if the page was freed (or re-allocated) since,
@@ -774,6 +776,7 @@ impl PageView<'_> {
         generation: Generation,
         slots: Range<u32>,
         layers: &Range<u32>,
+        mark: bool,
     ) -> Result<(), (ViolationKind, StateWord)> {
         let mut cur = self.rec.load();
         loop {
@@ -792,7 +795,44 @@ impl PageView<'_> {
                 Err(now) => cur = now,
             }
         }
-        self.set_bits(slots, layers);
+        if mark {
+            self.set_bits(slots, layers);
+        }
+        Ok(())
+    }
+
+    /// Received KV for the request `who` lands in `slots × layers` through
+    /// a `PageRef` at `generation` (a copy about to write, or bytes verified
+    /// where they landed): the page must be one `who` holds and reserved
+    /// for an incoming transfer (Receiving). With `mark`, the slots count
+    /// as written.
+    ///
+    /// # Errors
+    /// `write-after-free` if the page was freed or re-allocated since the
+    /// tag, `misdirected-transfer` if another request holds it or `who`
+    /// holds it but it is not Receiving, `foreign-write` if it is shared
+    /// read-only; no bits are set then.
+    pub fn land(
+        &self,
+        who: RequestId,
+        generation: Generation,
+        slots: Range<u32>,
+        layers: &Range<u32>,
+        mark: bool,
+    ) -> Result<(), (ViolationKind, StateWord)> {
+        let cur = self.rec.load();
+        if cur.generation() != generation || cur.state().is_free() {
+            return Err((ViolationKind::WriteAfterFree, cur));
+        }
+        if !self.rec.held_by(cur, who) || cur.state() != PageState::Receiving {
+            return Err((ViolationKind::MisdirectedTransfer, cur));
+        }
+        if cur.has(FLAG_SHARED) {
+            return Err((ViolationKind::ForeignWrite, cur));
+        }
+        if mark {
+            self.set_bits(slots, layers);
+        }
         Ok(())
     }
 

@@ -1,9 +1,23 @@
 //! What a KV transfer claims to carry, checked on both ends.
 //!
 //! The sender calls `transfer_send` before it ships (are the source slots
-//! written by the sender?), the receiver calls `transfer_recv` when bytes have
-//! landed (are the destination pages still reserved by this request?), and
+//! written by the sender?); the receiver calls `transfer_recv` when a
+//! transfer arrives (are the destination pages still reserved by this
+//! request? they become Receiving), `transfer_land` for each copy that puts
+//! received KV into a page (is it one of the request's Receiving pages? only
+//! then are the copied slots written), `transfer_verify` for each
+//! destination page once the bytes are there (does the KV found where it
+//! landed match the sender's digest for those tokens?), and
 //! `transfer_commit` before decode starts reading (did enough arrive?).
+//!
+//! The written map of a received page is set by what landed, not by the
+//! manifest: on a pool whose engine reports its landings
+//! ([`Landing::Reported`], the default) `transfer_recv` marks nothing
+//! written; `transfer_land` marks the slots a copy wrote and
+//! `transfer_verify` the slots whose digest matched (the only evidence where
+//! no copy is visible, as after an RDMA WRITE). An engine built before the
+//! landing hooks registers its pool as [`Landing::Manifest`]: its
+//! `transfer_recv` marks the manifest's slots written, as it always did.
 //!
 //! ```text
 //!  Manifest
@@ -71,4 +85,57 @@ pub(crate) fn pages_of(
     page_slots: u32,
 ) -> impl Iterator<Item = (usize, Range<u32>)> {
     crate::block_table::entry_slots(tokens, page_slots)
+}
+
+/// How received KV becomes written in a pool, as its engine reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Landing {
+    /// The engine reports every copy of received KV (`transfer_land`) or
+    /// verifies what landed (`transfer_verify`): only those slots count as
+    /// written.
+    #[default]
+    Reported,
+    /// The engine reports no landing (a C engine built before ABI 1.5):
+    /// `transfer_recv` marks the manifest's slots written. Where the bytes
+    /// really land is not checked.
+    Manifest,
+}
+
+/// One destination page of a transfer: what a copy is about to write into
+/// it (`transfer_land`), or what was found there once the bytes landed
+/// (`transfer_verify`).
+///
+/// ```text
+///  tokens first_token .. first_token + slots.len() of request, layers
+///  land in page.page (tag page.generation), slots slots.start..slots.end
+///  sent_digest:   the sender's digest of that KV, keyed by the token range
+///  landed_digest: the receiver's digest of the KV in those slots now
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PageLanding {
+    /// The request whose KV lands.
+    pub request: Owner,
+    /// The page written, through the tag the writer holds for it.
+    pub page: PageRef,
+    /// The token position that lands in `slots.start`.
+    pub first_token: u64,
+    /// The slots written.
+    pub slots: Range<u32>,
+    /// The layers written.
+    pub layers: Range<u32>,
+    /// The sender's digest of the KV of these tokens (`transfer_verify`;
+    /// opaque to the sanitizer, which never sees KV bytes).
+    pub sent_digest: u64,
+    /// The receiver's digest of what its page holds in these slots now.
+    pub landed_digest: u64,
+}
+
+impl PageLanding {
+    /// The token positions landing: `first_token..first_token + slots.len()`.
+    #[must_use]
+    pub fn token_range(&self) -> Range<u64> {
+        self.first_token
+            ..self.first_token + u64::from(self.slots.end.saturating_sub(self.slots.start))
+    }
 }

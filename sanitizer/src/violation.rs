@@ -38,6 +38,8 @@ macro_rules! for_each_violation_kind {
             PoisonRead = 15 => "poison-read", "the poison a freed page is filled with reached attention output, through a slot the shadow holds written";
             CrossDomainShare = 16 => "cross-domain-share", "the prefix cache shares a page with a request the isolation policy keeps apart from the page's writer";
             UnwrittenShare = 17 => "unwritten-share", "the prefix cache shares a page before its owner wrote every slot of every layer of it";
+            MisdirectedTransfer = 18 => "misdirected-transfer", "received KV is copied into a page the receiving request does not hold, or holds but did not reserve for an incoming transfer";
+            TransferDigestMismatch = 19 => "transfer-digest-mismatch", "the KV found in a destination page after a transfer is not what the sender sent for those tokens";
         }
     };
 }
@@ -290,6 +292,8 @@ mod tests {
             ("poison-read", 15),
             ("cross-domain-share", 16),
             ("unwritten-share", 17),
+            ("misdirected-transfer", 18),
+            ("transfer-digest-mismatch", 19),
         ];
         assert_eq!(
             frozen.len(),
@@ -301,7 +305,7 @@ mod tests {
             assert_eq!(kind.code(), code, "{name}'s ABI code changed");
             assert_eq!(ViolationKind::from_code(code), Some(kind));
         }
-        assert_eq!(ViolationKind::from_code(18), None);
+        assert_eq!(ViolationKind::from_code(20), None);
     }
 
     #[test]

@@ -33,7 +33,7 @@ fn checks_are_counted_per_hook_with_the_pages_each_read_checks() {
     let d1 = f.alloc(f.decode, 1, A, 5);
     let m = manifest(A, &[p0, p1], &[d0, d1], 0, tokens as u32);
     assert!(f.san.transfer_send(f.prefill, &m).unwrap().is_continue());
-    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    assert!(f.receive(f.decode, &m).unwrap().is_continue());
     assert!(
         f.san
             .transfer_commit(f.decode, A, &[d0, d1], tokens)
@@ -49,14 +49,16 @@ fn checks_are_counted_per_hook_with_the_pages_each_read_checks() {
             read_calls: 2,
             read_pages: 3,
             writes: 2,
-            transfers: 3,
+            // Send, receive, commit, and a landing and a verification of
+            // each of the two pages received.
+            transfers: 7,
             allocs: 4,
             frees: 1,
             ..Checks::default()
         }
     );
-    assert_eq!(c.total(), 3 + 2 + 3 + 4 + 1);
-    assert_eq!(f.san.summary(), "kvsan: 0 violations; 13 checks");
+    assert_eq!(c.total(), 3 + 2 + 7 + 4 + 1);
+    assert_eq!(f.san.summary(), "kvsan: 0 violations; 17 checks");
 }
 
 #[test]

@@ -107,7 +107,7 @@ fn reading_a_page_still_receiving_is_refused_as_read_during_transfer() {
     f.write_all(f.prefill, A, src, 0..SLOTS, 2);
     let dst = f.alloc(f.decode, 3, A, 1);
     let m = manifest(A, &[src], &[dst], 0, SLOTS);
-    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    assert!(f.receive(f.decode, &m).unwrap().is_continue());
     refused_and_reported(&f, A, dst, ViolationKind::ReadDuringTransfer);
 }
 

@@ -129,7 +129,7 @@ fn received(f: &Fixture) -> (PageRef, kvsan_sanitizer::Manifest) {
     let dst = f.alloc(f.decode, 6, A, 1);
     let m = manifest(A, &[src], &[dst], 0, 16);
     assert!(f.san.transfer_send(f.prefill, &m).unwrap().is_continue());
-    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    assert!(f.receive(f.decode, &m).unwrap().is_continue());
     (dst, m)
 }
 

@@ -340,7 +340,7 @@ fn received(f: &Fixture) -> (PageRef, kvsan_sanitizer::Manifest) {
     let dst = f.alloc(f.decode, 6, A, 1);
     let m = manifest(A, &[src], &[dst], 0, 16);
     assert!(f.san.transfer_send(f.prefill, &m).unwrap().is_continue());
-    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    assert!(f.receive(f.decode, &m).unwrap().is_continue());
     (dst, m)
 }
 
@@ -426,7 +426,7 @@ fn a_transfer_landing_in_a_page_the_prefix_cache_holds_is_foreign_write() {
             .is_continue()
     );
     assert!(f.san.share(f.decode, dst, CACHE).unwrap().is_continue());
-    let v = f.san.transfer_recv(f.decode, &m).unwrap();
+    let v = f.receive(f.decode, &m).unwrap();
     assert_eq!(v.kind(), Some(ViolationKind::ForeignWrite));
     assert!(
         f.out
@@ -684,7 +684,7 @@ fn short(f: &Fixture) -> Vec<PageRef> {
     let dst = vec![f.alloc(f.decode, 3, B, 1), f.alloc(f.decode, 4, B, 1)];
     let m = manifest(B, &[src], &dst, 0, 1);
     assert!(f.san.transfer_send(f.prefill, &m).unwrap().is_continue());
-    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    assert!(f.receive(f.decode, &m).unwrap().is_continue());
     dst
 }
 
@@ -824,4 +824,158 @@ fn a_kernel_read_of_written_slots_passes_without_a_report() {
         kvsan_sanitizer::Check::Ok
     );
     assert_clean(&f, Verdict::Continue);
+}
+
+// ------------------------------------------------------ misdirected-transfer
+
+/// A transfer of request A's 16 tokens arrives for its reserved page 6;
+/// request B holds page 5, the page just before it.
+fn arrived(f: &Fixture) -> (kvsan_sanitizer::Manifest, PageRef) {
+    let src = f.alloc(f.prefill, 0, A, 1);
+    f.write_all(f.prefill, A, src, 0..SLOTS, 2);
+    let other = f.alloc(f.decode, 5, B, 1);
+    f.write_all(f.decode, B, other, 0..SLOTS, 2);
+    let dst = f.alloc(f.decode, 6, A, 1);
+    let m = manifest(A, &[src], &[dst], 0, 16);
+    assert!(f.san.transfer_send(f.prefill, &m).unwrap().is_continue());
+    assert!(f.san.transfer_recv(f.decode, &m).unwrap().is_continue());
+    (m, other)
+}
+
+#[test]
+fn a_copy_of_received_kv_into_another_requests_page_is_misdirected_transfer() {
+    let f = fixture();
+    let (m, other) = arrived(&f);
+    // The copy computes its destination one page early.
+    let landing = kvsan_sanitizer::PageLanding {
+        page: other,
+        ..landing_of(&m, 0, 0..SLOTS)
+    };
+    let v = f.san.transfer_land(f.decode, &landing).unwrap();
+    assert_provoked(&f, v, ViolationKind::MisdirectedTransfer);
+    // Refused before it wrote: B's page is B's, as it was.
+    let info = f.san.page_info(f.decode, other.page).unwrap();
+    assert_eq!(info.state, PageState::Owned);
+}
+
+#[test]
+fn a_copy_into_the_requests_own_page_it_did_not_reserve_is_misdirected_transfer() {
+    let f = fixture();
+    let (m, _) = arrived(&f);
+    let own = f.alloc(f.decode, 2, A, 1);
+    let landing = kvsan_sanitizer::PageLanding {
+        page: own,
+        ..landing_of(&m, 0, 0..SLOTS)
+    };
+    let v = f.san.transfer_land(f.decode, &landing).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::MisdirectedTransfer));
+}
+
+#[test]
+fn a_copy_into_the_reserved_page_passes_and_only_its_slots_count_as_written() {
+    let f = fixture();
+    let (m, _) = arrived(&f);
+    let dst = m.dst_pages[0];
+    // The copy writes slots 0..10 of the 16 the manifest names.
+    let v = f
+        .san
+        .transfer_land(f.decode, &landing_of(&m, 0, 0..10))
+        .unwrap();
+    assert_clean(&f, v);
+    assert!(
+        f.san
+            .transfer_commit(f.decode, A, &[dst], 10)
+            .unwrap()
+            .is_continue()
+    );
+    // Slot 10 was named by the manifest but never filled.
+    let v = f.san.read(f.decode, A, &[dst], 11, ALL, 3).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::StaleRead));
+}
+
+#[test]
+fn the_manifest_alone_marks_nothing_written() {
+    let f = fixture();
+    let (m, _) = arrived(&f);
+    let v = f
+        .san
+        .transfer_commit(f.decode, A, &m.dst_pages, 16)
+        .unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ShortTransfer));
+}
+
+#[test]
+fn a_pool_whose_engine_reports_no_landing_takes_the_manifest_as_written() {
+    let out = kvsan_sanitizer::ReportBuffer::default();
+    let san =
+        kvsan_sanitizer::Sanitizer::with_writer(kvsan_sanitizer::Options::default(), out.clone());
+    let decode = san
+        .pool_register_with(
+            geometry(kvsan_sanitizer::NodeRole::Decode, "decode-0", 8),
+            kvsan_sanitizer::Landing::Manifest,
+        )
+        .unwrap();
+    let (v, generation) = san.alloc(decode, PageId(6), A, 1).unwrap();
+    assert!(v.is_continue());
+    let dst = PageRef {
+        page: PageId(6),
+        generation,
+    };
+    let mut m = manifest(A, &[], &[dst], 0, 16);
+    m.dst_pool = decode;
+    assert!(san.transfer_recv(decode, &m).unwrap().is_continue());
+    let v = san.transfer_commit(decode, A, &[dst], 16).unwrap();
+    assert!(v.is_continue(), "{}", out.text());
+}
+
+// -------------------------------------------------- transfer-digest-mismatch
+
+#[test]
+fn kv_found_where_it_landed_that_is_not_what_was_sent_is_transfer_digest_mismatch() {
+    let f = fixture();
+    let (m, _) = arrived(&f);
+    let landing = kvsan_sanitizer::PageLanding {
+        landed_digest: 0xbad,
+        ..landing_of(&m, 0, 0..SLOTS)
+    };
+    let v = f.san.transfer_verify(f.decode, &landing).unwrap();
+    assert_provoked(&f, v, ViolationKind::TransferDigestMismatch);
+    // The report names the page and the token range, never the digests.
+    let text = f.out.text();
+    assert!(text.contains("transferred tokens 0..16"), "{text}");
+    assert!(!text.contains("bad") && !text.contains("d16e57"), "{text}");
+}
+
+#[test]
+fn kv_found_where_it_landed_that_matches_counts_as_written() {
+    let f = fixture();
+    let (m, _) = arrived(&f);
+    // No copy was seen (an RDMA WRITE): the matching digest is the evidence.
+    let v = f
+        .san
+        .transfer_verify(f.decode, &landing_of(&m, 0, 0..SLOTS))
+        .unwrap();
+    assert_clean(&f, v);
+    let v = f
+        .san
+        .transfer_commit(f.decode, A, &m.dst_pages, 16)
+        .unwrap();
+    assert_clean(&f, v);
+}
+
+#[test]
+fn kv_found_not_to_match_marks_nothing_written() {
+    let f = fixture();
+    let (m, _) = arrived(&f);
+    let landing = kvsan_sanitizer::PageLanding {
+        landed_digest: 0xbad,
+        ..landing_of(&m, 0, 0..SLOTS)
+    };
+    let v = f.san.transfer_verify(f.decode, &landing).unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::TransferDigestMismatch));
+    let v = f
+        .san
+        .transfer_commit(f.decode, A, &m.dst_pages, 16)
+        .unwrap();
+    assert_eq!(v.kind(), Some(ViolationKind::ShortTransfer));
 }

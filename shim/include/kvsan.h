@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define KVSAN_ABI_VERSION_MAJOR 1
-#define KVSAN_ABI_VERSION_MINOR 4
+#define KVSAN_ABI_VERSION_MINOR 5
 #define KVSAN_ABI_VERSION ((uint32_t)((KVSAN_ABI_VERSION_MAJOR << 16) | KVSAN_ABI_VERSION_MINOR))
 
 /* Status codes. */
@@ -71,6 +71,13 @@ extern "C" {
 #define KVSAN_ROLE_UNIFIED 0u
 #define KVSAN_ROLE_PREFILL 1u
 #define KVSAN_ROLE_DECODE 2u
+/* OR'd into the role (since ABI 1.5): the engine reports where received KV
+ * lands (kvsan_transfer_land before each copy, kvsan_transfer_verify after),
+ * so kvsan_transfer_recv only reserves the destination pages. Without it (an
+ * engine built before 1.5) kvsan_transfer_recv marks the manifest's slots
+ * written, and where the bytes land is not checked; registering such a
+ * receiving pool says so on stderr. */
+#define KVSAN_POOL_REPORTS_LANDING 0x100u
 
 /* Request events (kvsan_request_event). */
 #define KVSAN_EVENT_QUEUED 0u
@@ -101,6 +108,8 @@ extern "C" {
 #define KVSAN_KIND_POISON_READ 15u
 #define KVSAN_KIND_CROSS_DOMAIN_SHARE 16u
 #define KVSAN_KIND_UNWRITTEN_SHARE 17u
+#define KVSAN_KIND_MISDIRECTED_TRANSFER 18u
+#define KVSAN_KIND_TRANSFER_DIGEST_MISMATCH 19u
 
 /* The request id reserved for the engine's prefix cache as a page holder
  * (UINT64_MAX; number requests below it). The cache takes a read-only
@@ -139,7 +148,7 @@ typedef struct KvsanPoolGeometry {
     uint32_t pages;
     uint32_t page_slots; /* 1..4096 */
     uint32_t layers;     /* 1..65536 */
-    uint32_t role;       /* KVSAN_ROLE_* */
+    uint32_t role;       /* KVSAN_ROLE_*, | KVSAN_POOL_REPORTS_LANDING */
     uint64_t bytes_per_slot;
     const uint8_t *node;
     size_t node_len;
@@ -159,6 +168,23 @@ typedef struct KvsanManifest {
     KvsanRange layers;
     uint64_t checksum;
 } KvsanManifest;
+
+/* One destination page of a transfer (since ABI 1.5): tokens first_token ..
+ * first_token + (slots.end - slots.start) of `request`, layers `layers`,
+ * land in slots `slots` of `page` (through the tag the receiver holds for
+ * it). kvsan_transfer_land: what a copy is about to write (the digests are
+ * not looked at); kvsan_transfer_verify: what the page holds once the bytes
+ * are there. The digests are opaque to kvsan (it never sees KV bytes) and
+ * never appear in a report. 64 bytes on LP64. */
+typedef struct KvsanPageLanding {
+    KvsanOwner request;
+    KvsanPageRef page;
+    uint64_t first_token;
+    KvsanRange slots;
+    KvsanRange layers;
+    uint64_t sent_digest;   /* the sender's digest of these tokens' KV */
+    uint64_t landed_digest; /* the receiver's digest of what the slots hold now */
+} KvsanPageLanding;
 
 /* Where a pool's kernel shadow lives (kvsan_kernel_shadow): the library's
  * page records, written bits and check counters, which an engine's KV kernels
@@ -242,11 +268,12 @@ typedef KvsanVerdict (*KvsanRequestEventAtFn)(void *ctx, uint32_t pool, KvsanOwn
 typedef KvsanVerdict (*KvsanShareFn)(void *ctx, uint32_t pool, KvsanPageRef page,
                                      KvsanOwner sharer);
 typedef KvsanVerdict (*KvsanDeclareSaltFn)(void *ctx, KvsanOwner owner, uint64_t salt);
+typedef KvsanVerdict (*KvsanLandingFn)(void *ctx, uint32_t pool, const KvsanPageLanding *landing);
 
-/* Version 1.4, 136 bytes on LP64, laid out as 1.2 (1.3 and 1.4 added C
- * functions, not hooks; 1.1 ends before share, 120 bytes; 1.0 before kernel_shadow,
- * 96 bytes). `size` first; a newer minor only
- * appends. */
+/* Version 1.5, 152 bytes on LP64 (1.2 to 1.4 end before transfer_land,
+ * 136 bytes: 1.3 and 1.4 added C functions, not hooks; 1.1 ends before
+ * share, 120 bytes; 1.0 before kernel_shadow, 96 bytes). `size` first; a
+ * newer minor only appends. */
 typedef struct KvsanHookTable {
     uint32_t size;
     uint16_t version_major;
@@ -268,6 +295,8 @@ typedef struct KvsanHookTable {
     KvsanRequestEventAtFn request_event_at; /* 1.1 */
     KvsanShareFn share;                     /* 1.2 */
     KvsanDeclareSaltFn declare_salt;        /* 1.2 */
+    KvsanLandingFn transfer_land;           /* 1.5 */
+    KvsanLandingFn transfer_verify;         /* 1.5 */
 } KvsanHookTable;
 
 /* The table, valid for the rest of the process; NULL if the library refused
@@ -448,12 +477,38 @@ int32_t kvsan_nvtx_unbind(uint32_t pool);
 int32_t kvsan_nvtx_forget_pool(uint32_t pool);
 
 /* ---- transfers (disaggregated prefill -> decode) -------------------------- */
+/* The sender calls kvsan_transfer_send before it ships; the receiver, on a
+ * pool registered with KVSAN_POOL_REPORTS_LANDING:
+ *   1. kvsan_transfer_recv when the transfer arrives: the destination pages
+ *      must be the request's; they become receiving (reserved for it).
+ *      Nothing counts as written yet.
+ *   2. kvsan_transfer_land before each copy of received KV into a page: only
+ *      on KVSAN_VERDICT_CONTINUE may the copy write, and then its slots
+ *      count as written. A page the request does not hold, or holds but did
+ *      not reserve, is misdirected-transfer (and stays as it was).
+ *   3. kvsan_transfer_verify once the bytes are there, with the receiver's
+ *      digest of what each page holds and the sender's digest of those
+ *      tokens: different digests are transfer-digest-mismatch; equal ones
+ *      also mark the slots written (how a landing no copy showed, an RDMA
+ *      WRITE, gets marked).
+ *   4. kvsan_transfer_commit before decode reads: every slot below the
+ *      committed tokens must have been written (short-transfer otherwise).
+ * On a pool registered without the bit, kvsan_transfer_recv marks the
+ * manifest's slots written, as before 1.5, and neither 2 nor 3 is needed. */
 
 /* manifest_size = sizeof(KvsanManifest). `pool` is the caller's side. */
 int32_t kvsan_transfer_send(uint32_t pool, const KvsanManifest *manifest, size_t manifest_size,
                             KvsanVerdict *verdict_out);
 int32_t kvsan_transfer_recv(uint32_t pool, const KvsanManifest *manifest, size_t manifest_size,
                             KvsanVerdict *verdict_out);
+/* A copy is about to put received KV where `landing` says (since ABI 1.5);
+ * landing_size = sizeof(KvsanPageLanding). */
+int32_t kvsan_transfer_land(uint32_t pool, const KvsanPageLanding *landing, size_t landing_size,
+                            KvsanVerdict *verdict_out);
+/* Received KV is in `landing`'s page: its digests compared (since ABI 1.5);
+ * landing_size = sizeof(KvsanPageLanding). */
+int32_t kvsan_transfer_verify(uint32_t pool, const KvsanPageLanding *landing, size_t landing_size,
+                              KvsanVerdict *verdict_out);
 /* The receiver starts using the first committed_tokens positions of table. */
 int32_t kvsan_transfer_commit(uint32_t pool, KvsanOwner owner, const KvsanPageRef *table,
                               size_t table_len, uint64_t committed_tokens,

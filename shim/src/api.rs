@@ -18,8 +18,8 @@ use std::sync::OnceLock;
 
 use kvsan_sanitizer::abi::{
     ABI_VERSION, AbiStatus, KVSAN_OK, KvsanKernelAccess, KvsanKernelShadow, KvsanManifest,
-    KvsanNvtxPlane, KvsanOwner, KvsanPageRef, KvsanPoolGeometry, KvsanRange, KvsanVerdict,
-    STATUSES, version_compatible,
+    KvsanNvtxPlane, KvsanOwner, KvsanPageLanding, KvsanPageRef, KvsanPoolGeometry, KvsanRange,
+    KvsanVerdict, STATUSES, version_compatible,
 };
 use kvsan_sanitizer::{Verdict, ViolationKind};
 

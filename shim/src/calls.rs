@@ -8,11 +8,12 @@
 use std::ops::Range;
 
 use kvsan_sanitizer::abi::{
-    KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageRef,
-    KvsanPoolGeometry, KvsanRange, event_from_code, role_from_code,
+    KVSAN_POOL_REPORTS_LANDING, KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner,
+    KvsanPageLanding, KvsanPageRef, KvsanPoolGeometry, KvsanRange, event_from_code, role_from_code,
 };
 use kvsan_sanitizer::{
-    Generation, Manifest, Owner, PageId, PageRef, PoolGeometry, PoolId, Sanitizer, Verdict,
+    Generation, Landing, Manifest, NodeRole, Owner, PageId, PageLanding, PageRef, PoolGeometry,
+    PoolId, Sanitizer, Verdict,
 };
 
 use crate::attach::{sanitizer, say};
@@ -343,7 +344,7 @@ unsafe fn page_refs<'a>(
 unsafe fn geometry(
     call: &'static str,
     g: *const KvsanPoolGeometry,
-) -> Result<PoolGeometry, ShimError> {
+) -> Result<(PoolGeometry, Landing), ShimError> {
     if g.is_null() {
         return Err(ShimError::Null {
             call,
@@ -353,12 +354,12 @@ unsafe fn geometry(
     // SAFETY: non-null and readable by the caller's contract; read
     // unaligned since nothing about the caller's memory is trusted.
     let g = unsafe { g.read_unaligned() };
-    if role_from_code(g.role).is_none() {
+    if role_from_code(g.role & !KVSAN_POOL_REPORTS_LANDING).is_none() {
         return Err(ShimError::InvalidArgument {
             call,
             argument: "geometry.role",
             value: g.role.into(),
-            allowed: "0 unified, 1 prefill, 2 decode",
+            allowed: "0 unified, 1 prefill, 2 decode, each | 0x100 (KVSAN_POOL_REPORTS_LANDING)",
         });
     }
     if g.node.is_null() && g.node_len > 0 {
@@ -367,14 +368,17 @@ unsafe fn geometry(
             argument: "geometry.node",
         });
     }
+    let landing = g.landing();
     // SAFETY: `node`/`node_len` are readable by the caller's contract (or
     // empty); the role was checked, so `None` means a name that is not UTF-8.
-    unsafe { g.to_geometry() }.ok_or(ShimError::InvalidArgument {
-        call,
-        argument: "geometry.node (bytes that are not UTF-8; length)",
-        value: g.node_len as u64,
-        allowed: "a UTF-8 name",
-    })
+    unsafe { g.to_geometry() }
+        .map(|geometry| (geometry, landing))
+        .ok_or(ShimError::InvalidArgument {
+            call,
+            argument: "geometry.node (bytes that are not UTF-8; length)",
+            value: g.node_len as u64,
+            allowed: "a UTF-8 name",
+        })
 }
 
 /// The manifest at `m`.
@@ -430,13 +434,22 @@ pub(crate) unsafe fn pool_register(
         });
     }
     // SAFETY: the caller's contract on `geometry`.
-    let g = unsafe { self::geometry(call, geometry) }?;
+    let (g, landing) = unsafe { self::geometry(call, geometry) }?;
     let s = san()?;
     let (node, role, pages, slots, layers) =
         (g.node.clone(), g.role, g.pages, g.page_slots, g.layers);
-    let id = s.pool_register(g).map_err(sanitizer_error(call))?;
+    let id = s
+        .pool_register_with(g, landing)
+        .map_err(sanitizer_error(call))?;
+    // A receiving pool whose engine reports no landing is checked less:
+    // say so once, where the operator reads the shim's lines.
+    let unchecked_landing = if landing == Landing::Manifest && role == NodeRole::Decode {
+        "; received KV is taken as written from its manifest (the engine reports no landing, ABI < 1.5): where it lands is NOT checked"
+    } else {
+        ""
+    };
     say(format_args!(
-        "kvsan: shadowing {id} (node {node:?}, role {}, {pages} pages x {slots} slots x {layers} layers)",
+        "kvsan: shadowing {id} (node {node:?}, role {}, {pages} pages x {slots} slots x {layers} layers){unchecked_landing}",
         role.name()
     ));
     // SAFETY: non-null, writable by the caller's contract.
@@ -630,7 +643,8 @@ pub(crate) unsafe fn transfer_send(
         .map_err(sanitizer_error(call))
 }
 
-/// The bytes of the manifest at `m` landed.
+/// A transfer of the manifest at `m` arrives: its destination pages are
+/// reserved for it.
 ///
 /// # Safety
 /// - `m` as in [`manifest`].
@@ -643,6 +657,59 @@ pub(crate) unsafe fn transfer_recv(
     let m = unsafe { manifest(call, m) }?;
     san()?
         .transfer_recv(PoolId(pool), &m)
+        .map_err(sanitizer_error(call))
+}
+
+/// The landing at `l` (one destination page of a transfer), read and
+/// checked.
+///
+/// # Safety
+/// - `l` is null or readable for one `KvsanPageLanding`.
+unsafe fn landing(
+    call: &'static str,
+    l: *const KvsanPageLanding,
+) -> Result<PageLanding, ShimError> {
+    if l.is_null() {
+        return Err(ShimError::Null {
+            call,
+            argument: "landing",
+        });
+    }
+    // SAFETY: non-null and readable by the caller's contract.
+    let l = unsafe { l.read_unaligned() };
+    owner(call, l.request)?;
+    Ok(l.to_landing())
+}
+
+/// A copy is about to put received KV where the landing at `l` says.
+///
+/// # Safety
+/// - `l` as in [`landing`].
+pub(crate) unsafe fn transfer_land(
+    call: &'static str,
+    pool: u32,
+    l: *const KvsanPageLanding,
+) -> Result<Verdict, ShimError> {
+    // SAFETY: the caller's contract on `l`.
+    let l = unsafe { landing(call, l) }?;
+    san()?
+        .transfer_land(PoolId(pool), &l)
+        .map_err(sanitizer_error(call))
+}
+
+/// The KV of the landing at `l` is in its page: compare the digests.
+///
+/// # Safety
+/// - `l` as in [`landing`].
+pub(crate) unsafe fn transfer_verify(
+    call: &'static str,
+    pool: u32,
+    l: *const KvsanPageLanding,
+) -> Result<Verdict, ShimError> {
+    // SAFETY: the caller's contract on `l`.
+    let l = unsafe { landing(call, l) }?;
+    san()?
+        .transfer_verify(PoolId(pool), &l)
         .map_err(sanitizer_error(call))
 }
 

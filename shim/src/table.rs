@@ -14,8 +14,8 @@ use std::sync::OnceLock;
 use kvsan_sanitizer::Verdict;
 use kvsan_sanitizer::abi::{
     HOOK_TABLE_VERSION_MAJOR, HOOK_TABLE_VERSION_MINOR, KVSAN_FLAG_POISON, KvsanHookTable,
-    KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageRef,
-    KvsanPoolGeometry, KvsanRange, KvsanVerdict,
+    KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner, KvsanPageLanding,
+    KvsanPageRef, KvsanPoolGeometry, KvsanRange, KvsanVerdict,
 };
 
 use crate::attach::{Attach, attach};

@@ -62,8 +62,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use kvsan_sanitizer::Hook;
 use kvsan_sanitizer::{
-    KernelAccess, Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Verdict,
-    ViolationId, ViolationKind,
+    KernelAccess, Landing, Manifest, Owner, PageLanding, PageRef, PoolGeometry, PoolId,
+    RequestEvent, Verdict, ViolationId, ViolationKind,
 };
 
 use super::{HookSettings, KvHooks, SanitizerCounters};
@@ -362,7 +362,16 @@ macro_rules! hook {
 
 impl KvHooks for CTableHooks {
     fn pool_register(&self, geometry: &PoolGeometry) -> Option<PoolId> {
-        let g = KvsanPoolGeometry::borrow(geometry);
+        // A library older than 1.5 has no landing hooks: this engine then
+        // cannot report where received KV lands, and says so in the pool's
+        // registration (the library takes the manifest as written).
+        let landing = if self.table.transfer_land.is_some() && self.table.transfer_verify.is_some()
+        {
+            Landing::Reported
+        } else {
+            Landing::Manifest
+        };
+        let g = KvsanPoolGeometry::borrow(geometry, landing);
         let mut id = u32::MAX;
         // SAFETY: the table was validated; `g` and its node name outlive the
         // call; `id` is a writable u32.
@@ -475,6 +484,28 @@ impl KvHooks for CTableHooks {
         // SAFETY: as in `transfer_send`.
         let v = unsafe { hook!(self.transfer_recv)(self.table.ctx, pool.0, &m) };
         self.verdict(Hook::TransferRecv, v)
+    }
+
+    fn transfer_land(&self, pool: PoolId, landing: &PageLanding) -> Verdict {
+        let Some(f) = self.table.transfer_land else {
+            // A library older than 1.5: the pool was registered as one whose
+            // engine reports no landing.
+            return Verdict::Continue;
+        };
+        let l = KvsanPageLanding::borrow(landing);
+        // SAFETY: validated table (a 1.5 table's hook); `l` is alive for the call.
+        let v = unsafe { f(self.table.ctx, pool.0, &l) };
+        self.verdict(Hook::TransferLand, v)
+    }
+
+    fn transfer_verify(&self, pool: PoolId, landing: &PageLanding) -> Verdict {
+        let Some(f) = self.table.transfer_verify else {
+            return Verdict::Continue;
+        };
+        let l = KvsanPageLanding::borrow(landing);
+        // SAFETY: as in `transfer_land`.
+        let v = unsafe { f(self.table.ctx, pool.0, &l) };
+        self.verdict(Hook::TransferVerify, v)
     }
 
     fn transfer_commit(

@@ -53,7 +53,8 @@ pub mod sanitizer;
 use std::sync::{Arc, OnceLock};
 
 pub use kvsan_sanitizer::{
-    KernelAccess, KernelShadowHandle, Manifest, NodeRole, PoolGeometry, RequestEvent, Verdict,
+    KernelAccess, KernelShadowHandle, Manifest, NodeRole, PageLanding, PoolGeometry, RequestEvent,
+    Verdict,
 };
 use kvsan_sanitizer::{Owner, PageRef, PoolId};
 

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvsan_sanitizer::{
-    KernelAccess, Manifest, Owner, PageRef, PoolGeometry, PoolId, RequestEvent, Sanitizer,
-    SanitizerError, Verdict,
+    KernelAccess, Manifest, Owner, PageLanding, PageRef, PoolGeometry, PoolId, RequestEvent,
+    Sanitizer, SanitizerError, Verdict,
 };
 
 use super::{HookSettings, KernelShadowHandle, KvHooks, SanitizerCounters};
@@ -166,6 +166,17 @@ impl KvHooks for SanitizerHooks {
         self.verdict(
             "transfer_recv",
             self.sanitizer.transfer_recv(pool, manifest),
+        )
+    }
+
+    fn transfer_land(&self, pool: PoolId, landing: &PageLanding) -> Verdict {
+        self.verdict("transfer_land", self.sanitizer.transfer_land(pool, landing))
+    }
+
+    fn transfer_verify(&self, pool: PoolId, landing: &PageLanding) -> Verdict {
+        self.verdict(
+            "transfer_verify",
+            self.sanitizer.transfer_verify(pool, landing),
         )
     }
 

@@ -354,7 +354,8 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use kvsan_sanitizer::{
-        KernelAccess, Manifest, PageRef, PoolGeometry, TenantId, ViolationId, ViolationKind,
+        KernelAccess, Manifest, PageLanding, PageRef, PoolGeometry, TenantId, ViolationId,
+        ViolationKind,
     };
 
     use super::*;
@@ -406,6 +407,12 @@ mod tests {
             Verdict::Continue
         }
         fn transfer_recv(&self, _: PoolId, _: &Manifest) -> Verdict {
+            Verdict::Continue
+        }
+        fn transfer_land(&self, _: PoolId, _: &PageLanding) -> Verdict {
+            Verdict::Continue
+        }
+        fn transfer_verify(&self, _: PoolId, _: &PageLanding) -> Verdict {
             Verdict::Continue
         }
         fn transfer_commit(&self, _: PoolId, _: Owner, _: &[PageRef], _: usize) -> Verdict {

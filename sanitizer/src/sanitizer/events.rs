@@ -7,6 +7,7 @@ use crate::geometry::PoolGeometry;
 use crate::ids::{Owner, PageRef, PoolId, RequestId};
 use crate::lifecycle::{RequestEvent, RequestState, Scope, Transition};
 use crate::pool::ShadowPool;
+use crate::transfer::Landing;
 use crate::violation::{Verdict, ViolationKind};
 use std::sync::OnceLock;
 use std::sync::atomic::Ordering;
@@ -17,6 +18,22 @@ impl Sanitizer {
     /// # Errors
     /// A bad geometry, or more than [`MAX_POOLS`] pools.
     pub fn pool_register(&self, geometry: PoolGeometry) -> Result<PoolId, SanitizerError> {
+        self.pool_register_with(geometry, Landing::Reported)
+    }
+
+    /// [`Sanitizer::pool_register`] for a pool whose engine reports received
+    /// KV's landing as `landing` says: [`Landing::Manifest`] for an engine
+    /// that calls neither `transfer_land` nor `transfer_verify` (then
+    /// `transfer_recv` marks the manifest's slots written, and where the
+    /// bytes land is not checked).
+    ///
+    /// # Errors
+    /// As [`Sanitizer::pool_register`].
+    pub fn pool_register_with(
+        &self,
+        geometry: PoolGeometry,
+        landing: Landing,
+    ) -> Result<PoolId, SanitizerError> {
         geometry.validate()?;
         let index = self
             .registered
@@ -28,6 +45,7 @@ impl Sanitizer {
         let pool = ShadowPool::new(
             id,
             geometry,
+            landing,
             self.options.history_depth,
             self.options.quarantine_pages,
         );

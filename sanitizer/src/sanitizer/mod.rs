@@ -176,6 +176,17 @@ impl Sanitizer {
         })
     }
 
+    fn check_slots(pool: &ShadowPool, slots: &Range<u32>) -> Result<(), SanitizerError> {
+        check_range(slots, pool.geometry.page_slots, || {
+            SanitizerError::SlotOutOfRange {
+                pool: pool.id.0,
+                start: slots.start,
+                end: slots.end,
+                page_slots: pool.geometry.page_slots,
+            }
+        })
+    }
+
     fn check_capacity(pool: &ShadowPool, pages: usize, tokens: u64) -> Result<(), SanitizerError> {
         let capacity = pages as u64 * u64::from(pool.geometry.page_slots);
         if tokens > capacity {

@@ -1,7 +1,7 @@
 //! The page hooks: alloc, free, share, and the host-side write and read.
 
 use super::finding::{Finding, with_article};
-use super::{Sanitizer, check_range};
+use super::Sanitizer;
 use crate::error::SanitizerError;
 use crate::history::{Event, EventKind};
 use crate::ids::{Generation, Owner, PageId, PageRef, PoolId};
@@ -369,14 +369,7 @@ impl Sanitizer {
     ) -> Result<Verdict, SanitizerError> {
         let shadow = self.pool(pool)?;
         let view = shadow.page(page.page)?;
-        check_range(&slots, shadow.geometry.page_slots, || {
-            SanitizerError::SlotOutOfRange {
-                pool: pool.0,
-                start: slots.start,
-                end: slots.end,
-                page_slots: shadow.geometry.page_slots,
-            }
-        })?;
+        Self::check_slots(shadow, &slots)?;
         self.check_layers(shadow, &layers)?;
         self.checks.write();
         match view.write(owner.request, page.generation, slots.clone(), &layers) {

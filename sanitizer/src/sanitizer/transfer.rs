@@ -7,7 +7,7 @@ use crate::error::SanitizerError;
 use crate::history::{Event, EventKind};
 use crate::ids::{Owner, PageRef, PoolId};
 use crate::shadow::{FLAG_OWNER_RELEASED, FLAG_SHARED, ReadCheck, StateWord};
-use crate::transfer::{Manifest, pages_of};
+use crate::transfer::{Landing, Manifest, PageLanding, pages_of};
 use crate::violation::{Verdict, ViolationKind};
 
 impl Sanitizer {
@@ -120,12 +120,16 @@ impl Sanitizer {
         })
     }
 
-    /// Bytes of `manifest` landed in the receiver's pool `pool`: each
+    /// A transfer of `manifest` arrives at the receiver's pool `pool`: each
     /// destination page must still be held by the manifest's request at its
     /// tagged generation (`write-after-free` if freed or re-allocated since,
     /// `foreign-write` if another request holds it or it is shared
     /// read-only with the prefix cache or a request). The pages become
-    /// Receiving and the received slots × layers count as written.
+    /// Receiving: reserved for the KV that [`Sanitizer::transfer_land`] and
+    /// [`Sanitizer::transfer_verify`] then see land. Nothing counts as
+    /// written yet — except on a pool registered as [`Landing::Manifest`]
+    /// (an engine that reports no landing), where the manifest's slots ×
+    /// layers count as written now.
     ///
     /// # Errors
     /// Unknown pool; page or layer out of range; tokens beyond `dst_pages`.
@@ -142,6 +146,7 @@ impl Sanitizer {
         if let Some(v) = self.terminal_transfer(pool, owner, "receiving", manifest) {
             return Ok(v);
         }
+        let mark = shadow.landing == Landing::Manifest;
         for (i, slots) in pages_of(manifest.token_range(), shadow.geometry.page_slots) {
             let page = manifest.dst_pages[i];
             let view = shadow.page(page.page)?;
@@ -150,6 +155,7 @@ impl Sanitizer {
                 page.generation,
                 slots.clone(),
                 &manifest.layers,
+                mark,
             ) {
                 Ok(()) => shadow.log(
                     page.page,
@@ -189,6 +195,139 @@ impl Sanitizer {
             }
         }
         Ok(Verdict::Continue)
+    }
+
+    /// A copy is about to put received KV where `landing` says: tokens
+    /// `landing.token_range()` of its request into `landing.slots` ×
+    /// `landing.layers` of `landing.page`. The copy is checked like a kernel
+    /// store: the page must be one the request holds at the tag's
+    /// generation and reserved for an incoming transfer by
+    /// [`Sanitizer::transfer_recv`] (`misdirected-transfer` if another
+    /// request holds it or it is not reserved, `write-after-free` if it was
+    /// freed or re-allocated since the tag, `foreign-write` if it is shared
+    /// read-only). Only on `Continue` may the copy write; then, and only
+    /// then, its slots count as written. The digests are not looked at.
+    ///
+    /// # Errors
+    /// Unknown pool; page, slot or layer out of range.
+    pub fn transfer_land(
+        &self,
+        pool: PoolId,
+        landing: &PageLanding,
+    ) -> Result<Verdict, SanitizerError> {
+        self.landing_check(pool, landing, "landing", false)
+    }
+
+    /// The KV of `landing` is in its page: `landing.landed_digest`, the
+    /// receiver's digest of what `landing.slots` × `landing.layers` of the
+    /// page hold now, must equal `landing.sent_digest`, the sender's digest
+    /// of the KV of those tokens (`transfer-digest-mismatch` otherwise: the
+    /// bytes went elsewhere, in another order, or not at all). The page is
+    /// checked as [`Sanitizer::transfer_land`] checks it, and on a match the
+    /// slots count as written — the evidence of a landing no copy showed
+    /// (an RDMA WRITE), and a second look at one a copy did.
+    ///
+    /// # Errors
+    /// Unknown pool; page, slot or layer out of range.
+    pub fn transfer_verify(
+        &self,
+        pool: PoolId,
+        landing: &PageLanding,
+    ) -> Result<Verdict, SanitizerError> {
+        self.landing_check(pool, landing, "verifying", true)
+    }
+
+    fn landing_check(
+        &self,
+        pool: PoolId,
+        landing: &PageLanding,
+        action: &'static str,
+        verify: bool,
+    ) -> Result<Verdict, SanitizerError> {
+        let shadow = self.pool(pool)?;
+        let owner = landing.request;
+        let page = landing.page;
+        let view = shadow.page(page.page)?;
+        let slots = landing.slots.clone();
+        Self::check_slots(shadow, &slots)?;
+        self.check_layers(shadow, &landing.layers)?;
+        self.checks.transfer();
+        let tokens = landing.token_range();
+        if let Some(state) = self.lifecycle.state_at(owner.request, pool)
+            && state.is_terminal()
+        {
+            return Ok(self.violation(
+                Finding::new(ViolationKind::TerminalRequestActivity, owner, action)
+                    .at(pool, page)
+                    .detail(format!(
+                        "{} request's transferred tokens {}..{} land",
+                        with_article(state.name()),
+                        tokens.start,
+                        tokens.end
+                    )),
+            ));
+        }
+        // A mismatch marks nothing: only KV found to be what was sent counts.
+        let mismatch = verify && landing.sent_digest != landing.landed_digest;
+        let landed = view.land(
+            owner.request,
+            page.generation,
+            slots.clone(),
+            &landing.layers,
+            !mismatch,
+        );
+        let found = match landed {
+            Err((kind, word)) => Some((kind, word)),
+            Ok(()) if mismatch => Some((ViolationKind::TransferDigestMismatch, view.rec.load())),
+            Ok(()) => None,
+        };
+        let Some((kind, word)) = found else {
+            if verify {
+                // A match confirms what a landing already logged (or, after
+                // an RDMA WRITE, what the recv reserved).
+                return Ok(Verdict::Continue);
+            }
+            shadow.log(
+                page.page,
+                Event::new(
+                    EventKind::Land,
+                    owner,
+                    page.generation,
+                    None,
+                    Some((slots.start, slots.end)),
+                ),
+            );
+            return Ok(Verdict::Continue);
+        };
+        let holder = if word.state().is_free() {
+            String::new()
+        } else if view.rec.held_by(word, owner.request) {
+            " held by this request".to_string()
+        } else {
+            format!(" held by request {}", view.rec.owner_request().0)
+        };
+        let what = if kind == ViolationKind::TransferDigestMismatch {
+            "; the KV found there is not the KV the sender sent for these tokens".to_string()
+        } else {
+            String::new()
+        };
+        Ok(self.violation(
+            Finding::new(kind, owner, action)
+                .at(pool, page)
+                .slot(Some(slots.start))
+                .detail(format!(
+                    "transferred tokens {}..{}, layers {}..{}, land in slots {}..{} through a tag of gen {}; the page is {} at gen {}{holder}{what}",
+                    tokens.start,
+                    tokens.end,
+                    landing.layers.start,
+                    landing.layers.end,
+                    slots.start,
+                    slots.end,
+                    page.generation.0,
+                    word.state().name(),
+                    word.generation().0
+                )),
+        ))
     }
 
     /// Decode is about to use `committed_tokens` tokens received into

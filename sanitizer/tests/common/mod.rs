@@ -4,9 +4,10 @@
 
 use std::ops::Range;
 
+use kvsan_sanitizer::block_table::entry_slots;
 use kvsan_sanitizer::{
-    Manifest, NodeRole, Options, Owner, PageId, PageRef, PoolGeometry, PoolId, ReportBuffer,
-    Sanitizer,
+    Manifest, NodeRole, Options, Owner, PageId, PageLanding, PageRef, PoolGeometry, PoolId,
+    ReportBuffer, Sanitizer, SanitizerError, Verdict,
 };
 
 pub const LAYERS: u32 = 30;
@@ -31,9 +32,17 @@ pub fn geometry(role: NodeRole, node: &str, pages: u32) -> PoolGeometry {
     }
 }
 
+/// The fixture's pools quarantine freed pages (64 per pool) unless
+/// `options` says otherwise, so the Quarantined state is covered; the
+/// default is no quarantine.
 pub fn fixture_with(options: &str) -> Fixture {
     let out = ReportBuffer::default();
-    let san = Sanitizer::with_writer(Options::parse(options).expect("test options"), out.clone());
+    let options = if options.contains("quarantine_pages") {
+        options.to_string()
+    } else {
+        format!("quarantine_pages=64:{options}")
+    };
+    let san = Sanitizer::with_writer(Options::parse(&options).expect("test options"), out.clone());
     let decode = san
         .pool_register(geometry(NodeRole::Decode, "decode-0", 8))
         .unwrap();
@@ -78,6 +87,14 @@ impl Fixture {
     ) {
         let v = self.san.write(pool, owner, page, slots, ALL, step).unwrap();
         assert!(v.is_continue(), "write by {owner}: {v:?}");
+    }
+
+    /// A transfer arrives (`transfer_recv`) and a correct copy puts every
+    /// piece where the manifest says (`transfer_land`, then
+    /// `transfer_verify` with matching digests): the first refusal, or
+    /// `Continue`.
+    pub fn receive(&self, pool: PoolId, m: &Manifest) -> Result<Verdict, SanitizerError> {
+        receive(&self.san, pool, m)
     }
 
     pub fn free(&self, pool: PoolId, owner: Owner, page: PageRef, step: u64) {
@@ -144,4 +161,38 @@ pub fn assert_golden(name: &str, text: &str) {
         "report differs from {} (KVSAN_BLESS=1 rewrites it)",
         path.display()
     );
+}
+
+/// [`Fixture::receive`] on any sanitizer.
+pub fn receive(san: &Sanitizer, pool: PoolId, m: &Manifest) -> Result<Verdict, SanitizerError> {
+    let v = san.transfer_recv(pool, m)?;
+    if !v.is_continue() {
+        return Ok(v);
+    }
+    for (i, slots) in entry_slots(m.token_range(), SLOTS) {
+        let landing = landing_of(m, i, slots);
+        for v in [
+            san.transfer_land(pool, &landing)?,
+            san.transfer_verify(pool, &landing)?,
+        ] {
+            if !v.is_continue() {
+                return Ok(v);
+            }
+        }
+    }
+    Ok(Verdict::Continue)
+}
+
+/// The landing of `m`'s piece for block-table entry `entry` (slots
+/// `slots`), where the manifest says, with matching digests.
+pub fn landing_of(m: &Manifest, entry: usize, slots: Range<u32>) -> PageLanding {
+    PageLanding {
+        request: m.request,
+        page: m.dst_pages[entry],
+        first_token: entry as u64 * u64::from(SLOTS) + u64::from(slots.start),
+        slots,
+        layers: m.layers.clone(),
+        sent_digest: 0xd16e57,
+        landed_digest: 0xd16e57,
+    }
 }

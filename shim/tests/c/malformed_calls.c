@@ -58,6 +58,10 @@ int main(void) {
     KvsanPoolGeometry bad = g;
     bad.role = 9;
     EXPECT(kvsan_pool_register(&bad, sizeof bad, &pool), KVSAN_ERR_INVALID_ARGUMENT);
+    bad.role = 9 | KVSAN_POOL_REPORTS_LANDING;
+    EXPECT(kvsan_pool_register(&bad, sizeof bad, &pool), KVSAN_ERR_INVALID_ARGUMENT);
+    bad.role = KVSAN_ROLE_DECODE | 0x200u;
+    EXPECT(kvsan_pool_register(&bad, sizeof bad, &pool), KVSAN_ERR_INVALID_ARGUMENT);
     bad = g;
     bad.pages = 0;
     EXPECT(kvsan_pool_register(&bad, sizeof bad, &pool), KVSAN_ERR_BAD_GEOMETRY);
@@ -132,6 +136,38 @@ int main(void) {
     EXPECT(kvsan_transfer_commit(pool + 3, who, table, 1, 16, &v), KVSAN_ERR_UNKNOWN_POOL);
     EXPECT(kvsan_transfer_commit(pool, who, NULL, 1, 16, &v), KVSAN_ERR_NULL);
 
+    /* landings: refused before anything is checked, so no violation comes of
+     * them (a well-formed landing into this owned, unreserved page would be
+     * misdirected-transfer) */
+    KvsanPageLanding landing;
+    memset(&landing, 0, sizeof landing);
+    landing.request = who;
+    landing.page = ref;
+    landing.slots = slots;
+    landing.layers = layers;
+    EXPECT(kvsan_transfer_land(pool, NULL, sizeof landing, &v), KVSAN_ERR_NULL);
+    EXPECT(kvsan_transfer_verify(pool, NULL, sizeof landing, &v), KVSAN_ERR_NULL);
+    EXPECT(kvsan_transfer_land(pool, &landing, sizeof landing - 8, &v), KVSAN_ERR_SIZE);
+    EXPECT(kvsan_transfer_verify(pool, &landing, 0, &v), KVSAN_ERR_SIZE);
+    CHECK(kvsan_last_error(msg, sizeof msg) > 0 && strstr(msg, "landing_size") != NULL);
+    EXPECT(kvsan_transfer_land(pool, &landing, sizeof landing, NULL), KVSAN_ERR_NULL);
+    EXPECT(kvsan_transfer_verify(pool, &landing, sizeof landing, NULL), KVSAN_ERR_NULL);
+    EXPECT(kvsan_transfer_land(pool + 3, &landing, sizeof landing, &v), KVSAN_ERR_UNKNOWN_POOL);
+    KvsanPageLanding off = landing;
+    off.request.reserved = 1;
+    EXPECT(kvsan_transfer_land(pool, &off, sizeof off, &v), KVSAN_ERR_INVALID_ARGUMENT);
+    off = landing;
+    off.page.page = 8;
+    EXPECT(kvsan_transfer_land(pool, &off, sizeof off, &v), KVSAN_ERR_OUT_OF_RANGE);
+    off = landing;
+    off.slots = (KvsanRange){2, 17};
+    EXPECT(kvsan_transfer_land(pool, &off, sizeof off, &v), KVSAN_ERR_OUT_OF_RANGE);
+    off.slots = (KvsanRange){3, 1};
+    EXPECT(kvsan_transfer_verify(pool, &off, sizeof off, &v), KVSAN_ERR_OUT_OF_RANGE);
+    off = landing;
+    off.layers = (KvsanRange){0, 5};
+    EXPECT(kvsan_transfer_verify(pool, &off, sizeof off, &v), KVSAN_ERR_OUT_OF_RANGE);
+
     /* queries */
     EXPECT(kvsan_violation_count(NULL), KVSAN_ERR_NULL);
     EXPECT(kvsan_violation_count_of(0, NULL), KVSAN_ERR_NULL);
@@ -177,6 +213,8 @@ int main(void) {
         CHECK(t->pool_register(t->ctx, &g, NULL).code == KVSAN_VERDICT_ERROR);
         CHECK(t->pool_register(t->ctx, NULL, &pool).code == KVSAN_VERDICT_ERROR);
         CHECK(t->transfer_send(t->ctx, pool, NULL).code == KVSAN_VERDICT_ERROR);
+        CHECK(t->transfer_land(t->ctx, pool, NULL).code == KVSAN_VERDICT_ERROR);
+        CHECK(t->transfer_verify(t->ctx, pool, NULL).code == KVSAN_VERDICT_ERROR);
         CHECK(t->request_event(t->ctx, who, 99).code == KVSAN_VERDICT_ERROR);
         CHECK(t->alloc(t->ctx, pool, who, (KvsanPageRef){1, 5}, 0).code == KVSAN_VERDICT_ERROR);
         CHECK(t->read(t->ctx, pool, who, table, 1, 16, layers, 0).code == KVSAN_VERDICT_CONTINUE);
