@@ -16,6 +16,14 @@
 //!   loopback: the prefill order, the prefill steps, the KV transfer, the
 //!   first token.
 //!
+//! - `landing/copy/T` and `landing/copy+digests/T`: what the receiving
+//!   side does with a transfer of T tokens once it is in: the copy into a
+//!   decode pool's pages, page by page, and the same with the landing
+//!   digests — the sender's digest of each page's piece and the receiver's
+//!   digest of what the page then holds (XXH3-64, computed in place). The
+//!   ratio is the cost of verifying where received KV landed
+//!   (`cargo bench --bench peer_link -- landing`).
+//!
 //! The message is built outside the timed region; criterion prints the
 //! time per transfer and the throughput in bytes of KV. The ratio of the
 //! two variants is the cost of authentication on this machine.
@@ -27,6 +35,7 @@ use std::sync::Arc;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use crossbeam_channel::Receiver;
 use kvsan_engine::engine::{Engine, EngineConfig, PrefillControl, serve_prefill};
+use kvsan_engine::kv_pool::KvPool;
 use kvsan_engine::model::SyntheticSpec;
 use kvsan_engine::request::{Event, Request};
 use kvsan_engine::sampler::SamplingParams;
@@ -34,7 +43,9 @@ use kvsan_engine::transport::peer_auth::PeerKey;
 use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
 use kvsan_engine::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, ToDecode, kv_checksum, kv_payload_len,
+    kv_slices, landing_digests, landing_seed,
 };
+use kvsan_kernels::attention::KvGeometry;
 use kvsan_sanitizer::{Manifest, Owner, PageRef, PoolId, TenantId};
 
 const LAYERS: u32 = 30;
@@ -61,10 +72,63 @@ fn transfer(tokens: u32) -> ToDecode {
         .map(|i| (i as u64).wrapping_mul(2_654_435_761) as u8)
         .collect();
     manifest.checksum = kv_checksum(&bytes);
+    let digests = landing_digests(&manifest, 16, KV_DIM, &bytes);
     ToDecode::Kv(KvTransfer {
         manifest,
         payload: KvPayload::Bytes(bytes),
+        digests,
     })
+}
+
+/// Copies a transfer's bytes into `pool`, page by page; with `digests`,
+/// computes the sender's landing digests first and each page's landing
+/// digest after, and checks they match.
+fn land(pool: &mut KvPool, manifest: &Manifest, bytes: &[u8], digests: bool) {
+    let layers = manifest.layers.start as usize..manifest.layers.end as usize;
+    let sent = digests.then(|| landing_digests(manifest, 16, KV_DIM, bytes));
+    let mut at = 0;
+    for (idx, slots) in kv_slices(manifest, 16) {
+        let page = manifest.dst_pages[idx].page;
+        at += pool
+            .unpack_slots(page, slots.clone(), layers.clone(), &bytes[at..])
+            .expect("the transfer fits the pool");
+        if let Some(sent) = &sent {
+            let seed = landing_seed(idx * 16 + slots.start, slots.len(), &layers);
+            let landed = pool.landing_digest(page, slots, layers.clone(), seed);
+            assert_eq!(landed, sent[idx], "the copy lands what was sent");
+        }
+    }
+}
+
+fn landing(c: &mut Criterion) {
+    let mut group = c.benchmark_group("landing");
+    group
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(3));
+    let geometry = KvGeometry {
+        page_slots: 16,
+        n_layers: LAYERS as usize,
+        n_kv_heads: 3,
+        head_dim: KV_DIM / 3,
+    };
+    for tokens in TOKENS {
+        let ToDecode::Kv(KvTransfer {
+            manifest,
+            payload: KvPayload::Bytes(bytes),
+            ..
+        }) = transfer(tokens)
+        else {
+            unreachable!("transfer() builds a KV message with bytes")
+        };
+        let mut pool = KvPool::new(geometry, manifest.dst_pages.len()).expect("a small pool");
+        group.throughput(Throughput::Bytes(bytes.len() as u64));
+        for (name, digests) in [("copy", false), ("copy+digests", true)] {
+            group.bench_function(BenchmarkId::new(name, tokens), |b| {
+                b.iter(|| land(&mut pool, &manifest, &bytes, digests));
+            });
+        }
+    }
+    group.finish();
 }
 
 /// A connected prefill → decode link with `opts`, the decode side's inbox
@@ -226,5 +290,5 @@ fn ttft(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, kv_transfer, ttft);
+criterion_group!(benches, kv_transfer, ttft, landing);
 criterion_main!(benches);

@@ -16,7 +16,7 @@
 //! | `skip-layer-write` | a prefill chunk longer than [`crate::model::forward::LONG_CHUNK_TOKENS`] takes a store path whose layer loop stops one layer short: the chunk's slots keep the page's previous owner's KV for the last layer, which attention then reads and prefill ships |
 //! | `stale-block-table` | preemption frees a sequence's pages from a copy of its block table and the sequence keeps its own: on resume it recomputes and decodes through `PageRef`s to pages the free list has since handed to another request |
 //! | `double-free` | a request's release frees its tail page on its own and then again with the rest of its block table, and the pool (no "already free" check) puts the page on the free list twice: the next two allocations hand the same page to two requests |
-//! | `overlapping-transfer` | decode computes the destination of a KV transfer message back from its end with the page count taken as `tokens / page_slots + 1`: a message ending on a page boundary is written one page early, its first page's KV landing in the physically preceding page — another request's |
+//! | `overlapping-transfer` | decode computes the destination of a KV transfer message's copy back from its end with the page count taken as `tokens / page_slots + 1`: a message ending on a page boundary is written one page early, its first page's KV landing in the physically preceding page — another request's |
 //! | `commit-after-abort` | decode, cancelling a request whose KV is on its way, frees its reserved pages at once, ends the request, and leaves its record for the transfer's end to clean up (prefill is not told; the KV pieces that still come are dropped): the completion — prefill's commit of the last chunk, with the first token — finds that record and is not checked against the lifecycle, which ended the request, so decode commits the cancelled request and decodes it through the block table it had, writing its tokens' KV into pages the free list has since handed to another request |
 //! | `padding-slot-wrap` | a batch of two or more rows is padded to a multiple of 4 rows (fixed batch shapes); each padding row repeats the first row (its request and last token) with slot mapping −1, which, unchecked, wraps to the pool's last slot: the first row's KV lands in the page of whichever request owns the pool's last page |
 //! | `decode-length-overrun` | a decode row of a sequence past `LONG_DECODE_TOKENS` (`node/batch.rs`) tokens takes the long-context path, whose attention length the batch gives as the row's pages' capacity (pages × page slots) instead of its tokens: it attends over its last page's unwritten slots, which hold the page's previous owner's KV |
@@ -28,6 +28,9 @@
 //! | `cache-evict-referenced` | when no cached page is unreferenced, eviction takes the oldest cached page anyway and returns it to the pool while requests still read it: the next allocation hands it to another request, whose KV they then attend over |
 //! | `cache-partial-page-shared` | the prefix cache registers a sequence's partial last page after each step and shares it without a copy: a later request with the same prefix writes its own tokens into the page's free slots, which the page's owner fills with its own answer and attends over |
 //! | `cache-keeps-aborted` | a request that leaves before its prefill is done (preempted, cancelled, aborted) has its pages registered in the prefix cache under the prompt tokens they were to hold, as if the prefill had filled them: a later request with that prompt attends over slots never written for it |
+//! | `descriptor-offset-dropped` | decode's copy of a KV message of whole pages (its bulk path) puts each page's piece at the base of the message's destination (its first page) with the piece's slot offset, dropping the page's own offset (ai-dynamo/nixl#883: libfabric writes at the registered region's base instead of each descriptor's offset): every piece lands in the message's first page, and the message's other pages keep their previous owner's KV, which decode then reads as the prompt's |
+//! | `block-size-mismatch` | decode's copy of a KV message of whole pages (its bulk path) takes a page as holding half the slots it does (a block size mixed up between the sender's and the kernel's, vllm#28677): it writes each page's piece only up to slot `page_slots / 2` and drops the rest, so the second half of every page it receives keeps its previous owner's KV |
+//! | `transfer-replayed-after-commit` | prefill keeps each request's last KV message for a retry and sends it again after the next request's KV (a write whose acknowledgement it never saw, vllm#52234, sglang#24527); decode takes a KV message for a request it no longer holds for a retry of a lost write and copies it where its manifest says — into pages the free list has since handed to the next request, over that request's prompt |
 //! | `stale-batch-array` | the batch's block-table array is kept from step to step, and a row whose table has as many pages as the row held last step is taken as unchanged: when a request leaves and the next takes its row with as many pages, it stores into and reads the pages of the request that left |
 
 /// A fault this build can inject.
@@ -75,11 +78,18 @@ pub enum Fault {
     CachePartialPageShared,
     /// An unfinished prefill's pages registered in the prefix cache.
     CacheKeepsAborted,
+    /// Every piece of a KV message copied to the message's first page.
+    DescriptorOffsetDropped,
+    /// Each received page's piece copied only up to half the page.
+    BlockSizeMismatch,
+    /// A request's last KV message sent again, and copied, after the
+    /// request ended.
+    TransferReplayedAfterCommit,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 19] = [
+    pub const ALL: [Fault; 22] = [
         Fault::RejectAsPlaceholder,
         Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
@@ -99,6 +109,9 @@ impl Fault {
         Fault::CacheEvictReferenced,
         Fault::CachePartialPageShared,
         Fault::CacheKeepsAborted,
+        Fault::DescriptorOffsetDropped,
+        Fault::BlockSizeMismatch,
+        Fault::TransferReplayedAfterCommit,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -124,6 +137,9 @@ impl Fault {
             Fault::CacheEvictReferenced => "cache-evict-referenced",
             Fault::CachePartialPageShared => "cache-partial-page-shared",
             Fault::CacheKeepsAborted => "cache-keeps-aborted",
+            Fault::DescriptorOffsetDropped => "descriptor-offset-dropped",
+            Fault::BlockSizeMismatch => "block-size-mismatch",
+            Fault::TransferReplayedAfterCommit => "transfer-replayed-after-commit",
         }
     }
 

@@ -251,6 +251,45 @@ impl KvPool {
         }
     }
 
+    /// The landing digest of `slots` × `layers` of `page`: XXH3-64 with
+    /// `seed` of the bytes [`KvPool::pack_slots`] would write for them,
+    /// computed in place ([`crate::transport::landing_digest`] of the
+    /// packed bytes is the same value).
+    ///
+    /// # Panics
+    /// If `page`, `slots` or `layers` are outside the pool's geometry.
+    #[must_use]
+    pub fn landing_digest(
+        &self,
+        page: PageId,
+        slots: Range<usize>,
+        layers: Range<usize>,
+        seed: u64,
+    ) -> u64 {
+        let g = &self.geometry;
+        let width = slots.len() * g.slot_width();
+        let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+        let mut buf = [0u8; 4096];
+        for layer in layers {
+            for kv in 0..2 {
+                let at = g.offset(page, layer, kv, slots.start);
+                let run = &self.data[at..at + width];
+                if cfg!(target_endian = "little") {
+                    // The elements' memory is their little-endian wire bytes.
+                    hasher.update(bytemuck::cast_slice(run));
+                    continue;
+                }
+                for chunk in run.chunks(buf.len() / 2) {
+                    for (b, v) in buf.chunks_exact_mut(2).zip(chunk) {
+                        b.copy_from_slice(&v.to_bits().to_le_bytes());
+                    }
+                    hasher.update(&buf[..chunk.len() * 2]);
+                }
+            }
+        }
+        hasher.digest()
+    }
+
     /// Writes K and V of `slots` × `layers` of `page` from `bytes` (the
     /// layout of [`KvPool::pack_slots`]); returns the bytes consumed.
     ///

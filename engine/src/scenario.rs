@@ -192,6 +192,49 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::DescriptorOffsetDropped | Fault::BlockSizeMismatch => Scenario {
+                fault,
+                expected: ViolationKind::TransferDigestMismatch,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
+                configure: |_| {},
+                drive: |engine, seed| {
+                    // The victim's and the bystander's prompts end inside a
+                    // page, so their messages take the partial-page path the
+                    // fault leaves alone; the victim's long answer fills the
+                    // decode pages the probe gets back. The probe's prompt
+                    // goes in messages of whole pages: part of each lands
+                    // elsewhere in its own pages (or nowhere), and the rest
+                    // of its pages keep the victim's KV.
+                    let v = engine.submit(victim(seed, 20, 200)).wait();
+                    let bystander = engine.submit(bystander());
+                    let p = engine.submit(probe(200, 16)).wait();
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::TransferReplayedAfterCommit => Scenario {
+                fault,
+                expected: ViolationKind::TerminalRequestActivity,
+                culprit: Culprit::Ended,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Disaggregated,
+                configure: |_| {},
+                drive: |engine, seed| {
+                    // The victim's one message is kept for a retry; when
+                    // the probe's prefill is done it goes again, after the
+                    // probe's KV, and decode copies it into the pages the
+                    // victim held — the probe's now (the freed pages are
+                    // handed out again first). With the sanitizer the copy
+                    // is refused, and the probe reads its own prompt.
+                    let v = engine.submit(victim(seed, 20, 8)).wait();
+                    let p = engine.submit(probe(24, 16)).wait();
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
             Fault::SkipLayerWrite => Scenario {
                 fault,
                 expected: ViolationKind::StaleRead,
@@ -418,7 +461,7 @@ impl Scenario {
             },
             Fault::OverlappingTransfer => Scenario {
                 fault,
-                expected: ViolationKind::ForeignWrite,
+                expected: ViolationKind::MisdirectedTransfer,
                 culprit: Culprit::Victim,
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,

@@ -22,7 +22,7 @@ use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::transport::in_process::{self, ChannelLink};
 use kvsan_engine::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
-    kv_payload_len,
+    kv_payload_len, landing_digests,
 };
 use kvsan_sanitizer::{Manifest, PoolId, TenantId};
 
@@ -112,6 +112,19 @@ impl Decode {
         }
     }
 
+    /// A transfer of `bytes` for `order`'s whole prompt, with the sender's
+    /// landing digests.
+    fn transfer(&self, order: &PrefillOrder, bytes: &[u8], payload: KvPayload) -> KvTransfer {
+        let c = self.model.config();
+        let manifest = self.manifest(order, bytes);
+        let digests = landing_digests(&manifest, PAGE_SLOTS, c.n_kv_heads * c.head_dim, bytes);
+        KvTransfer {
+            manifest,
+            payload,
+            digests,
+        }
+    }
+
     fn payload(&self, order: &PrefillOrder) -> Vec<u8> {
         let c = self.model.config();
         let mut m = self.manifest(order, &[]);
@@ -130,10 +143,7 @@ fn a_landed_notice_on_a_link_without_rdma_aborts_its_request_by_name() {
     // Correct in every other way: the request's own pages, its tokens, the
     // checksum of what the pages would hold.
     d.to_decode
-        .send(ToDecode::Kv(KvTransfer {
-            manifest: d.manifest(&order, &bytes),
-            payload: KvPayload::Landed,
-        }))
+        .send(ToDecode::Kv(d.transfer(&order, &bytes, KvPayload::Landed)))
         .unwrap();
     // Its completion follows at once, as an RDMA link sends it: it is
     // dropped, the request having ended at the refusal.
@@ -176,10 +186,11 @@ fn the_same_transfer_with_its_bytes_in_the_message_is_accepted() {
     let order = d.prefill_order();
     let bytes = d.payload(&order);
     d.to_decode
-        .send(ToDecode::Kv(KvTransfer {
-            manifest: d.manifest(&order, &bytes),
-            payload: KvPayload::Bytes(bytes),
-        }))
+        .send(ToDecode::Kv(d.transfer(
+            &order,
+            &bytes,
+            KvPayload::Bytes(bytes.clone()),
+        )))
         .unwrap();
     d.to_decode
         .send(ToDecode::PrefillDone {

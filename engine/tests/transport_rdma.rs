@@ -19,7 +19,7 @@ use kvsan_engine::transport::rdma::{
 };
 use kvsan_engine::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
-    kv_slices,
+    kv_slices, landing_digests,
 };
 use kvsan_kernels::attention::KvGeometry;
 use kvsan_sanitizer::{Manifest, Owner, PageRef, PoolId, RequestId};
@@ -199,10 +199,12 @@ fn kv_lands_byte_for_byte(auth: Option<PeerKey>) {
             );
         }
         manifest.checksum = kv_checksum(&payload);
+        let digests = landing_digests(&manifest, 16, 192, &payload);
         prefill
             .send(ToDecode::Kv(KvTransfer {
                 manifest: manifest.clone(),
                 payload: KvPayload::Bytes(payload.clone()),
+                digests: digests.clone(),
             }))
             .unwrap();
         let done = ToDecode::PrefillDone {
@@ -217,7 +219,9 @@ fn kv_lands_byte_for_byte(auth: Option<PeerKey>) {
             ToDecode::Kv(KvTransfer {
                 manifest: manifest.clone(),
                 payload: KvPayload::Landed,
-            })
+                digests,
+            }),
+            "the completion carries the sender's landing digests"
         );
         let mut landed = Vec::new();
         for (idx, slots) in kv_slices(&manifest, 16) {
@@ -255,6 +259,7 @@ fn kv_lands_byte_for_byte(auth: Option<PeerKey>) {
         .send(ToDecode::Kv(KvTransfer {
             manifest: bad,
             payload: KvPayload::Bytes(vec![0; 16 * 4 * 2 * 192 * 2]),
+            digests: vec![0],
         }))
         .unwrap_err();
     assert!(err.reason.contains("outside the decode pool"), "{err}");

@@ -12,7 +12,9 @@
 use std::collections::{HashMap, VecDeque};
 
 use crossbeam_channel::{Receiver, Sender};
-use kvsan_sanitizer::{Manifest, Owner, PageId, PageRef, RequestId, Verdict};
+use std::ops::Range;
+
+use kvsan_sanitizer::{Manifest, Owner, PageId, PageLanding, PageRef, RequestId, Verdict};
 
 use crate::faults::{self, Fault};
 use crate::node::Command;
@@ -25,8 +27,31 @@ use crate::node::step_loop::{self, fail, fail_in_place, new_sequence};
 use crate::request::{ErrorKind, Event, Request, RequestError};
 use crate::transport::{
     Inbound, KvPayload, KvTransfer, LandingZone, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill,
-    kv_checksum, kv_payload_len, kv_slices,
+    kv_checksum, kv_payload_len, kv_slices, landing_seed,
 };
+
+/// The first `written` slots of a wire piece of `slots` slots × `layers`
+/// layers (per layer, K then V, each `slots` slot widths): the whole piece
+/// when `written == slots`.
+fn slot_prefix(
+    piece: &[u8],
+    slots: usize,
+    written: usize,
+    layers: usize,
+) -> std::borrow::Cow<'_, [u8]> {
+    if written == slots {
+        return std::borrow::Cow::Borrowed(piece);
+    }
+    let run = piece.len() / (layers * 2).max(1);
+    let keep = run / slots.max(1) * written;
+    std::borrow::Cow::Owned(
+        piece
+            .chunks(run.max(1))
+            .flat_map(|c| &c[..keep.min(c.len())])
+            .copied()
+            .collect(),
+    )
+}
 
 /// The token a rejected prompt is replaced by under `reject-as-placeholder`.
 const PLACEHOLDER_TOKEN: u32 = 0;
@@ -434,22 +459,25 @@ impl DecodeNode {
     ///
     /// Both go through the same checks — the manifest names the request's
     /// own reserved pages and fits them, the checksum matches the bytes, the
-    /// `transfer_recv` hook accepts the manifest — and the same commit; a
-    /// `Landed` transfer skips only the copy. What the sanitizer can and
-    /// cannot see on the RDMA path: the hook checks the manifest at the
-    /// completion, after the NIC wrote, not each write as it happens. The
-    /// pages written were the ones prefill's endpoint planned from this same
-    /// manifest (`plan_writes` refuses one that leaves the registered pool,
-    /// so no write lands outside it); the checksum is computed over what
-    /// landed in the manifest's slots; a transfer whose manifest is refused
-    /// here aborts its request, and its slots are never recorded as written.
-    /// A write that strays outside its manifest's slots (a bug in the
-    /// sender's planning, or another process holding the remote key) is not
-    /// seen.
+    /// `transfer_recv` hook accepts the manifest (which reserves the pages
+    /// for it; it marks nothing written) — then [`DecodeNode::land`]: the
+    /// checked copy of [`KvPayload::Bytes`] (each page's piece is checked
+    /// by `transfer_land` where the copy really writes it, and only then
+    /// written), and with a hook target attached, the landing digest of
+    /// every destination page against the sender's (`transfer_verify`). A
+    /// `Landed` transfer has no copy to check: its slots count as written
+    /// only through the digests of what the NIC put in its pages. A write
+    /// that strays into another request's page (a bug in the sender's
+    /// planning, or another process holding the remote key) is seen only
+    /// as the damage it does there, when that request's digests are checked.
     /// `Landed` is believed only on a link set up with this node's
     /// registered pool; on any other (a forged TCP frame) it is refused.
     fn receive(&mut self, transfer: KvTransfer) {
-        let KvTransfer { manifest, payload } = transfer;
+        let KvTransfer {
+            manifest,
+            payload,
+            digests,
+        } = transfer;
         let id = manifest.request.request;
         let state = self.core.lifecycle.state(id);
         if state == Some(State::Draining) {
@@ -464,16 +492,22 @@ impl DecodeNode {
                 // dropped; the cleanup waits for its completion.
                 return;
             }
-            if self.unfenced.get(&id).is_some_and(|pages| {
+            let unfenced = self.unfenced.get(&id).is_some_and(|pages| {
                 manifest.dst_pool == self.core.pool_id && manifest.dst_pages == *pages
-            }) {
-                self.land_late(&manifest, &payload);
+            });
+            // Fault `transfer-replayed-after-commit`: a message for a request
+            // this node no longer holds is taken for the retry of a lost
+            // write.
+            let replayed = faults::active(Fault::TransferReplayedAfterCommit)
+                && manifest.dst_pool == self.core.pool_id;
+            if unfenced || replayed {
+                self.land_late(&manifest, &payload, &digests);
                 return;
             }
             tracing::warn!(node = %self.core.name, request = id.0, "KV transfer for an unknown request dropped");
             return;
         };
-        let problem = self.transfer_problem(seq, &manifest, &payload);
+        let problem = self.transfer_problem(seq, &manifest, &payload, &digests);
         if let Some(what) = problem {
             let seq = self.awaiting_kv.remove(&id).expect("present");
             tracing::warn!(node = %self.core.name, request = id.0, "KV transfer refused: {what}");
@@ -485,27 +519,19 @@ impl DecodeNode {
             );
             return;
         }
-        // The hook sees where the bytes really land: the destination this
-        // node writes through, which is the sender's manifest unless the
-        // fault below bends it (a sanitizer watching the writes, in process
-        // or as a preloaded shim, checks the real descriptor).
-        let manifest = match &payload {
-            KvPayload::Bytes(_) if faults::active(Fault::OverlappingTransfer) => {
-                self.one_page_early(manifest)
-            }
-            _ => manifest,
-        };
-        let verdict = self.core.hooks.transfer_recv(self.core.pool_id, &manifest);
+        let mut verdict = self.core.hooks.transfer_recv(self.core.pool_id, &manifest);
         self.core.stats.transfers += 1;
+        if verdict.is_continue() {
+            verdict = self.land(&manifest, &payload, &digests);
+        }
         if !verdict.is_continue() {
-            // Refused before a byte is written.
+            // Refused before a byte went where it does not belong.
             let seq = self.awaiting_kv.remove(&id).expect("present");
             self.cancel_at_prefill(id);
             let e = RequestError::aborted_by(verdict, &self.core.name);
             fail(&mut self.core, seq, e);
             return;
         }
-        self.unpack(&manifest, &payload);
         // What landed, for the anomaly monitor.
         let layers = self.core.model.config().n_layers;
         if let Some(seq) = self.awaiting_kv.get_mut(&id) {
@@ -525,39 +551,129 @@ impl DecodeNode {
     /// request since (the late DMA of an unfenced transfer). The hook sees
     /// it first; on its abort verdict nothing is written (the request has
     /// already ended, so there is nobody to fail).
-    fn land_late(&mut self, manifest: &Manifest, payload: &KvPayload) {
+    fn land_late(&mut self, manifest: &Manifest, payload: &KvPayload, digests: &[u64]) {
         let id = manifest.request.request;
-        let verdict = self.core.hooks.transfer_recv(self.core.pool_id, manifest);
+        let mut verdict = self.core.hooks.transfer_recv(self.core.pool_id, manifest);
         self.core.stats.transfers += 1;
+        if verdict.is_continue() {
+            verdict = self.land(manifest, payload, digests);
+        }
         if !verdict.is_continue() {
             tracing::warn!(node = %self.core.name, request = id.0, "late KV transfer refused");
-            return;
         }
-        self.unpack(manifest, payload);
     }
 
-    /// Writes a transfer's bytes into the pages its manifest names (a
-    /// `Landed` transfer's bytes are there already).
-    fn unpack(&mut self, manifest: &Manifest, payload: &KvPayload) {
-        let KvPayload::Bytes(bytes) = payload else {
-            return;
-        };
+    /// Puts a transfer's KV into its pages and checks it landed: the
+    /// checked copy of a [`KvPayload::Bytes`] transfer, piece by piece (the
+    /// `transfer_land` hook sees each page and slots as the copy really
+    /// writes them, and only on `Continue` is the piece written), then,
+    /// with a hook target attached, the landing digest of each destination
+    /// page of the manifest against the sender's (`transfer_verify`; for a
+    /// `Landed` transfer, the only evidence of what the NIC wrote where).
+    /// The first refusal stops it and is returned.
+    fn land(&mut self, manifest: &Manifest, payload: &KvPayload, digests: &[u64]) -> Verdict {
+        let ps = self.core.pool.page_slots();
         let layers = manifest.layers.start as usize..manifest.layers.end as usize;
-        let mut at = 0;
-        for (idx, slots) in kv_slices(manifest, self.core.pool.page_slots()) {
-            let page = manifest.dst_pages[idx].page;
-            match self
-                .core
-                .pool
-                .unpack_slots(page, slots, layers.clone(), &bytes[at..])
-            {
-                Ok(n) => at += n,
-                Err(e) => {
+        let pieces = kv_slices(manifest, ps);
+        if let KvPayload::Bytes(bytes) = payload {
+            let slot_bytes = layers.len() * 2 * self.core.pool.geometry().slot_width() * 2;
+            let mut at = 0;
+            for (idx, slots) in &pieces {
+                let piece = &bytes[at..at + slots.len() * slot_bytes];
+                at += piece.len();
+                let (page, written) = self.copy_destination(manifest, *idx, slots.clone());
+                if written.is_empty() {
+                    continue;
+                }
+                let landing = PageLanding {
+                    request: manifest.request,
+                    page,
+                    first_token: (idx * ps + slots.start) as u64,
+                    slots: written.start as u32..written.end as u32,
+                    layers: manifest.layers.clone(),
+                    sent_digest: 0,
+                    landed_digest: 0,
+                };
+                let verdict = self.core.hooks.transfer_land(self.core.pool_id, &landing);
+                if !verdict.is_continue() {
+                    return verdict;
+                }
+                let part = slot_prefix(piece, slots.len(), written.len(), layers.len());
+                if let Err(e) =
+                    self.core
+                        .pool
+                        .unpack_slots(page.page, written, layers.clone(), &part)
+                {
                     tracing::error!(node = %self.core.name, request = manifest.request.request.0, "{e}");
                     break;
                 }
             }
         }
+        if !self.core.hooks.is_attached() {
+            return Verdict::Continue;
+        }
+        for (i, (idx, slots)) in pieces.into_iter().enumerate() {
+            let page = manifest.dst_pages[idx];
+            let first = idx * ps + slots.start;
+            let seed = landing_seed(first, slots.len(), &layers);
+            let landing = PageLanding {
+                request: manifest.request,
+                page,
+                first_token: first as u64,
+                slots: slots.start as u32..slots.end as u32,
+                layers: manifest.layers.clone(),
+                sent_digest: digests.get(i).copied().unwrap_or_default(),
+                landed_digest: self.core.pool.landing_digest(
+                    page.page,
+                    slots,
+                    layers.clone(),
+                    seed,
+                ),
+            };
+            let verdict = self.core.hooks.transfer_verify(self.core.pool_id, &landing);
+            if !verdict.is_continue() {
+                return verdict;
+            }
+        }
+        Verdict::Continue
+    }
+
+    /// Where the copy of a manifest's piece for block-table entry `idx`
+    /// (slots `slots` of its page) really writes: the entry's page and the
+    /// same slots, unless a fault bends it. The page is tagged with its
+    /// current generation: a copy lands in the page as it is now.
+    fn copy_destination(
+        &self,
+        manifest: &Manifest,
+        idx: usize,
+        slots: Range<usize>,
+    ) -> (PageRef, Range<usize>) {
+        let ps = self.core.pool.page_slots();
+        let now = |page: PageId| PageRef {
+            page,
+            generation: self.core.pool.generations()[page.0 as usize],
+        };
+        if faults::active(Fault::OverlappingTransfer)
+            && let Some(page) = self.one_page_early(manifest, idx)
+        {
+            return (now(page), slots);
+        }
+        // The bulk path of the two faults below: a message of whole pages.
+        let whole_pages = (manifest.first_token as usize).is_multiple_of(ps)
+            && (manifest.first_token as usize + manifest.tokens as usize).is_multiple_of(ps);
+        if whole_pages && faults::active(Fault::DescriptorOffsetDropped) {
+            // The message's base: its first destination page.
+            let base = manifest.dst_pages[manifest.first_token as usize / ps].page;
+            return (now(base), slots);
+        }
+        if whole_pages && faults::active(Fault::BlockSizeMismatch) {
+            let half = ps / 2;
+            return (
+                manifest.dst_pages[idx],
+                slots.start.min(half)..slots.end.min(half),
+            );
+        }
+        (manifest.dst_pages[idx], slots)
     }
 
     /// Fault `overlapping-transfer`: the receiver computes where a
@@ -569,33 +685,20 @@ impl DecodeNode {
     /// them a page the request does not hold (on a reservation taken in page
     /// order, the previous reservation's last page).
     ///
-    /// Returns the manifest of what is really written: each destination
-    /// entry the message touches names the page written and that page's
-    /// current generation (a DMA lands in the page as it is now). A message
-    /// touching the pool's first page is left as it is (its destination
-    /// would start before the pool).
-    fn one_page_early(&self, mut manifest: Manifest) -> Manifest {
+    /// Returns the page the copy of block-table entry `idx` really writes,
+    /// or `None` where the fault leaves the message as it is: a message that
+    /// does not end on a page boundary, or one touching the pool's first
+    /// page (its destination would start before the pool).
+    fn one_page_early(&self, manifest: &Manifest, idx: usize) -> Option<PageId> {
         let ps = self.core.pool.page_slots();
         let start = manifest.first_token as usize;
         let end = start + manifest.tokens as usize;
         let touched = start / ps..end.div_ceil(ps);
         let counted = manifest.tokens as usize / ps + 1;
-        if counted <= touched.len()
-            || manifest.dst_pages[touched.clone()]
-                .iter()
-                .any(|p| p.page.0 == 0)
-        {
-            return manifest;
+        if counted <= touched.len() || manifest.dst_pages[touched].iter().any(|p| p.page.0 == 0) {
+            return None;
         }
-        let generations = self.core.pool.generations();
-        for entry in &mut manifest.dst_pages[touched] {
-            let page = PageId(entry.page.0 - 1);
-            *entry = PageRef {
-                page,
-                generation: generations[page.0 as usize],
-            };
-        }
-        manifest
+        Some(PageId(manifest.dst_pages[idx].page.0 - 1))
     }
 
     /// Frame-level checks of a transfer: the request's own pages, sizes,
@@ -606,6 +709,7 @@ impl DecodeNode {
         seq: &Sequence,
         manifest: &kvsan_sanitizer::Manifest,
         payload: &KvPayload,
+        digests: &[u64],
     ) -> Option<String> {
         let writes_land = self.peer.as_ref().is_some_and(|p| p.writes_land);
         if *payload == KvPayload::Landed && !writes_land {
@@ -637,6 +741,13 @@ impl DecodeNode {
                 self.core.model.config().n_layers
             ));
         }
+        let pieces = kv_slices(manifest, self.core.pool.page_slots()).len();
+        if digests.len() != pieces {
+            return Some(format!(
+                "{} landing digests, the manifest's tokens touch {pieces} pages",
+                digests.len()
+            ));
+        }
         let landed;
         let bytes = match payload {
             KvPayload::Bytes(bytes) => {
@@ -656,12 +767,9 @@ impl DecodeNode {
                 &landed
             }
         };
-        let sum = kv_checksum(bytes);
-        if sum != manifest.checksum {
-            return Some(format!(
-                "checksum {sum:016x}, the manifest says {:016x}",
-                manifest.checksum
-            ));
+        if kv_checksum(bytes) != manifest.checksum {
+            // The values are not shown: they are derived from KV.
+            return Some("checksum of the bytes does not match the manifest's".into());
         }
         None
     }
@@ -993,6 +1101,12 @@ mod tests {
         (m, bytes)
     }
 
+    /// The sender's landing digests of `bytes`.
+    fn digests_of(node: &DecodeNode, m: &Manifest, bytes: &[u8]) -> Vec<u64> {
+        let kv_dim = node.core.pool.geometry().slot_width();
+        crate::transport::landing_digests(m, PAGE_SLOTS, kv_dim, bytes)
+    }
+
     /// Writes `bytes` into the pages `m` names, as the NIC's WRITEs would.
     fn land(node: &mut DecodeNode, m: &Manifest, bytes: &[u8]) {
         let layers = m.layers.start as usize..m.layers.end as usize;
@@ -1023,9 +1137,11 @@ mod tests {
         let (mut by_message, prefill) = node(false, None);
         let (order, events) = submit(&mut by_message, &prefill);
         let (m, bytes) = transfer(&by_message, &order);
+        let digests = digests_of(&by_message, &m, &bytes);
         by_message.receive(KvTransfer {
             manifest: m,
             payload: KvPayload::Bytes(bytes),
+            digests,
         });
         let expected = finish(&mut by_message, &events);
         assert!(
@@ -1037,9 +1153,11 @@ mod tests {
         let (order, events) = submit(&mut landed, &prefill);
         let (m, bytes) = transfer(&landed, &order);
         land(&mut landed, &m, &bytes);
+        let digests = digests_of(&landed, &m, &bytes);
         landed.receive(KvTransfer {
             manifest: m,
             payload: KvPayload::Landed,
+            digests,
         });
         assert_eq!(landed.core.stats.transfers, 1);
         assert_eq!(finish(&mut landed, &events), expected);
@@ -1052,9 +1170,11 @@ mod tests {
         let (m, mut bytes) = transfer(&node, &order);
         bytes[5] ^= 1;
         land(&mut node, &m, &bytes);
+        let digests = digests_of(&node, &m, &bytes);
         node.receive(KvTransfer {
             manifest: m,
             payload: KvPayload::Landed,
+            digests,
         });
         match events.try_iter().last() {
             Some(Event::Error(e)) => assert!(

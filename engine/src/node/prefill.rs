@@ -25,7 +25,7 @@ use crate::node::step_loop::{self, new_sequence};
 use crate::request::{ErrorKind, Request, RequestError};
 use crate::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
-    kv_slices,
+    kv_slices, landing_digests,
 };
 
 /// Tokens per KV transfer message (a prompt's KV goes in pieces of this size).
@@ -43,6 +43,9 @@ pub(crate) struct PrefillNode {
     pub sched: Scheduler,
     pub context: usize,
     dests: HashMap<RequestId, Destination>,
+    /// Fault `transfer-replayed-after-commit`: the last KV message of the
+    /// request shipped last, kept for a retry.
+    kept_for_retry: Option<KvTransfer>,
 }
 
 /// Why the prefill loop returned.
@@ -60,6 +63,7 @@ impl PrefillNode {
             sched,
             context,
             dests: HashMap::new(),
+            kept_for_retry: None,
         }
     }
 
@@ -262,6 +266,7 @@ impl PrefillNode {
             shipped = (prompt_len - 1) / TRANSFER_TOKENS * TRANSFER_TOKENS;
         }
         let mut first = 0;
+        let mut last = None;
         while first < shipped {
             let tokens = TRANSFER_TOKENS.min(shipped - first);
             let manifest = Manifest {
@@ -276,7 +281,8 @@ impl PrefillNode {
                 checksum: 0,
             };
             let mut bytes = Vec::new();
-            for (idx, slots) in kv_slices(&manifest, self.core.pool.page_slots()) {
+            let ps = self.core.pool.page_slots();
+            for (idx, slots) in kv_slices(&manifest, ps) {
                 self.core.pool.pack_slots(
                     seq.table.pages()[idx].page,
                     slots,
@@ -284,6 +290,8 @@ impl PrefillNode {
                     &mut bytes,
                 );
             }
+            let kv_dim = self.core.pool.geometry().slot_width();
+            let digests = landing_digests(&manifest, ps, kv_dim, &bytes);
             let manifest = Manifest {
                 checksum: kv_checksum(&bytes),
                 ..manifest
@@ -294,10 +302,15 @@ impl PrefillNode {
                 self.fail(seq, e, link);
                 return;
             }
-            let sent = link.send(ToDecode::Kv(KvTransfer {
+            let transfer = KvTransfer {
                 manifest,
                 payload: KvPayload::Bytes(bytes),
-            }));
+                digests,
+            };
+            if faults::active(Fault::TransferReplayedAfterCommit) && first + tokens >= shipped {
+                last = Some(transfer.clone());
+            }
+            let sent = link.send(ToDecode::Kv(transfer));
             if sent.is_err() {
                 self.end(seq, State::Aborted);
                 return;
@@ -310,6 +323,11 @@ impl PrefillNode {
         let request = seq.owner.request;
         let cached_tokens = u32::try_from(seq.cached_tokens).unwrap_or(u32::MAX);
         self.end(seq, State::Finished);
+        // Fault `transfer-replayed-after-commit`: the previous request's last
+        // message goes again, as the retry of a write never acknowledged.
+        if let Some(kept) = std::mem::replace(&mut self.kept_for_retry, last) {
+            let _ = link.send(ToDecode::Kv(kept));
+        }
         let _ = link.send(ToDecode::PrefillDone {
             request,
             first_token,

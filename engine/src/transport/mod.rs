@@ -104,6 +104,10 @@ pub struct KvTransfer {
     pub manifest: Manifest,
     /// The bytes.
     pub payload: KvPayload,
+    /// The sender's landing digest of each destination page's piece, in
+    /// [`kv_slices`] order ([`landing_digest`]): the receiver compares each
+    /// with its own digest of what the page holds once the bytes are there.
+    pub digests: Vec<u64>,
 }
 
 /// Prefill → decode.
@@ -191,4 +195,57 @@ pub fn kv_payload_len(manifest: &Manifest, kv_dim: usize) -> usize {
 #[must_use]
 pub fn kv_checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+/// The seed of a piece's landing digest: its token range and layers, so a
+/// piece that lands in another page's place (or in another request's) does
+/// not match by accident.
+#[must_use]
+pub fn landing_seed(first_token: usize, tokens: usize, layers: &std::ops::Range<usize>) -> u64 {
+    let mut key = [0u8; 32];
+    for (i, v) in [first_token, tokens, layers.start, layers.end]
+        .into_iter()
+        .enumerate()
+    {
+        key[i * 8..i * 8 + 8].copy_from_slice(&(v as u64).to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64(&key)
+}
+
+/// The landing digest of one piece of a transfer: XXH3-64, seeded by
+/// [`landing_seed`], of the piece's bytes in wire order (the sender's, over
+/// what it packs; the receiver's,
+/// [`KvPool::landing_digest`](crate::kv_pool::KvPool::landing_digest), over
+/// what its page holds).
+#[must_use]
+pub fn landing_digest(bytes: &[u8], seed: u64) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(bytes, seed)
+}
+
+/// The sender's landing digests of a transfer: one per destination piece,
+/// in [`kv_slices`] order, over `bytes` (the payload, in wire order, with
+/// `kv_dim` elements per slot of K or V). Bytes shorter than the manifest
+/// needs give the digests of what there is.
+#[must_use]
+pub fn landing_digests(
+    manifest: &Manifest,
+    page_slots: usize,
+    kv_dim: usize,
+    bytes: &[u8],
+) -> Vec<u64> {
+    let layers = manifest.layers.start as usize..manifest.layers.end as usize;
+    let slot_bytes = layers.len() * 2 * kv_dim * 2;
+    let mut at = 0;
+    kv_slices(manifest, page_slots)
+        .into_iter()
+        .map(|(idx, slots)| {
+            let end = (at + slots.len() * slot_bytes).min(bytes.len());
+            let piece = &bytes[at.min(end)..end];
+            at = end;
+            landing_digest(
+                piece,
+                landing_seed(idx * page_slots + slots.start, slots.len(), &layers),
+            )
+        })
+        .collect()
 }

@@ -44,9 +44,13 @@ pub fn kv(request: u64, first_token: u32, tokens: u32, layers: u32, kv_dim: usiz
         .map(|i| (i as u64).wrapping_mul(2_654_435_761).wrapping_add(request) as u8)
         .collect();
     manifest.checksum = kv_checksum(&bytes);
+    let digests = (0..manifest.tokens.div_ceil(16).max(1))
+        .map(|i| kv_checksum(&[i as u8, request as u8]))
+        .collect();
     ToDecode::Kv(KvTransfer {
         manifest,
         payload: KvPayload::Bytes(bytes),
+        digests,
     })
 }
 
@@ -102,6 +106,7 @@ pub fn every_to_decode() -> Vec<ToDecode> {
                 _ => unreachable!(),
             },
             payload: KvPayload::Landed,
+            digests: vec![7, 8],
         }),
         done(5),
         failed(6),
@@ -233,6 +238,7 @@ fn kv_transfer() -> impl Strategy<Value = KvTransfer> {
         any::<u64>(),
         any::<bool>(),
         any::<u8>(),
+        prop::collection::vec(any::<u64>(), 0..4),
     )
         .prop_map(
             |(
@@ -246,6 +252,7 @@ fn kv_transfer() -> impl Strategy<Value = KvTransfer> {
                 checksum,
                 landed,
                 fill,
+                digests,
             )| {
                 let manifest = Manifest {
                     request: Owner::new(r, t),
@@ -264,7 +271,11 @@ fn kv_transfer() -> impl Strategy<Value = KvTransfer> {
                     let n = kv_payload_len(&manifest, KV_DIM);
                     KvPayload::Bytes((0..n).map(|i| (i as u8) ^ fill).collect())
                 };
-                KvTransfer { manifest, payload }
+                KvTransfer {
+                    manifest,
+                    payload,
+                    digests,
+                }
             },
         )
 }

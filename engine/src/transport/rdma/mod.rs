@@ -728,9 +728,12 @@ impl Link<ToDecode> for RdmaPrefillEndpoint {
         };
         // The completion message: the manifest alone, its bytes already sent.
         let notice = match msg {
+            // The sender's landing digests go with it: decode verifies what
+            // the WRITEs put in its pages against them.
             ToDecode::Kv(t) => ToDecode::Kv(KvTransfer {
                 manifest: t.manifest,
                 payload: KvPayload::Landed,
+                digests: t.digests,
             }),
             other => other,
         };

@@ -51,6 +51,12 @@ impl Put<'_> {
             self.u32(t);
         }
     }
+    pub(super) fn u64s(&mut self, values: &[u64]) {
+        self.count(values.len());
+        for &v in values {
+            self.u64(v);
+        }
+    }
 }
 
 /// Reads little-endian fields, every read checked against what remains.
@@ -181,6 +187,15 @@ impl<'a> Take<'a> {
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             v.push(self.u32(field)?);
+        }
+        Ok(v)
+    }
+
+    pub(super) fn u64s(&mut self, field: &'static str) -> Result<Vec<u64>, WireError> {
+        let n = self.count(8, field)?;
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            v.push(self.u64(field)?);
         }
         Ok(v)
     }

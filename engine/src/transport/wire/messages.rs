@@ -192,6 +192,7 @@ impl WireMessage for ToDecode {
                 p.u32(m.layers.start);
                 p.u32(m.layers.end);
                 p.u64(m.checksum);
+                p.u64s(&kv.digests);
                 p.u8(match kv.payload {
                     KvPayload::Bytes(_) => KV_BYTES,
                     KvPayload::Landed => KV_LANDED,
@@ -262,6 +263,7 @@ impl WireMessage for ToDecode {
                     layers: t.u32("manifest.layers")?..t.u32("manifest.layers")?,
                     checksum: t.u64("manifest.checksum")?,
                 };
+                let digests = t.u64s("digests")?;
                 if manifest.layers.start > manifest.layers.end {
                     return Err(t.err(
                         "manifest.layers",
@@ -313,7 +315,11 @@ impl WireMessage for ToDecode {
                         ));
                     }
                 };
-                ToDecode::Kv(KvTransfer { manifest, payload })
+                ToDecode::Kv(KvTransfer {
+                    manifest,
+                    payload,
+                    digests,
+                })
             }
             TYPE_PREFILL_DONE => {
                 no_bulk(header, bulk.as_ref())?;

@@ -50,7 +50,9 @@
 //!    17  prefill → decode   ToDecode::Kv           manifest: owner, src_pool u32, src_pages [PageRef],
 //!                                                  dst_pool u32, dst_pages [PageRef], first_token u32,
 //!                                                  tokens u32, layers.start u32, layers.end u32,
-//!                                                  checksum u64; payload kind u8 (0 Bytes, 1 Landed);
+//!                                                  checksum u64; digests [u64] (a landing digest per
+//!                                                  destination page piece, kv_slices order);
+//!                                                  payload kind u8 (0 Bytes, 1 Landed);
 //!                                                  Bytes: the KV bytes are the bulk section, exactly
 //!                                                  kv_payload_len(manifest, kv_dim) long
 //!    18  prefill → decode   ToDecode::PrefillDone  request u64, first_token u32, cached_tokens u32
