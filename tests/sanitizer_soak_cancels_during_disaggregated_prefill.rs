@@ -45,7 +45,8 @@ const CLIENTS: usize = 16;
 /// most requests before they decode far).
 const ANCHORS: usize = 4;
 const ANCHOR_PROMPT: usize = 1000;
-const OPTIONS: &str = "quarantine_pages=8:poison=1";
+/// The sanitizer's defaults: pages reused in the release engine's order.
+const OPTIONS: &str = "";
 
 fn requests() -> usize {
     std::env::var("KVSAN_SOAK_REQUESTS")

@@ -8,7 +8,8 @@
 //! system prompts, under the prefix cache (`tenant`: shared within a
 //! tenant, every share checked); chunked prefill (small steps);
 //! preemption and cache eviction (small pools); client cancels at random
-//! points; poisoned and quarantined freed pages.
+//! points; poisoned freed pages, reused in the release engine's order (no
+//! quarantine, the default).
 //!
 //! The same soak runs once more in a child process of this test binary
 //! (built without `sanitize`) under `LD_PRELOAD` of the shim: the engine
@@ -100,7 +101,7 @@ fn soak_under(disaggregated: bool, under: &Under) {
     );
     let sink = ReportBuffer::default();
     let sanitizer = Arc::new(Sanitizer::with_writer(
-        Options::parse("quarantine_pages=8:poison=1").expect("options"),
+        Options::parse("poison=1").expect("options"),
         sink.clone(),
     ));
     let hooks = match under {
@@ -253,7 +254,7 @@ fn under_the_shim_both_topologies_answer_600_mixed_requests_without_a_violation(
         ])
         .env(SHIM_CHILD, "1")
         .env("LD_PRELOAD", shim_common::shim_library())
-        .env("KVSAN_OPTIONS", "quarantine_pages=8:poison=1")
+        .env("KVSAN_OPTIONS", "poison=1")
         .output()
         .expect("child");
     let (stdout, stderr) = shim_common::texts(&out);

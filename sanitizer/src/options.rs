@@ -220,10 +220,10 @@ declare_options! {
         "Report form: `text` (human block), `json` (one JSON line), or `both`.";
     history_depth: u32 = 5,
         "Events kept per page in its origin history ring (alloc, first write, send, recv, commit, share, free).";
-    quarantine_pages: u32 = 64,
-        "Freed pages held Quarantined per pool (FIFO) before they count as Free.";
-    poison: bool = true,
-        "Ask the engine to fill freed pages with a poison pattern (debug-build engine mode; the sanitizer itself never sees KV bytes).";
+    quarantine_pages: u32 = 0,
+        "Freed pages held Quarantined per pool (FIFO) before they count as Free; 0 (the default) keeps the release engine's reuse order, and generations still catch a use after free.";
+    poison: bool = false,
+        "Ask the engine to fill freed pages with a poison pattern (debug-build engine mode; the sanitizer itself never sees KV bytes); off by default, so a stale read returns what it returns in production.";
     print_limit: u32 = 100,
         "Reports printed at most (0: no limit); counting goes on after the limit.";
     max_recorded: u32 = 1024,
@@ -292,15 +292,22 @@ mod tests {
     #[test]
     fn parses_colon_separated_items_over_defaults() {
         let o = Options::parse(
-            "on_violation=halt:exitcode=7:report_format=both:history_depth=9:poison=0",
+            "on_violation=halt:exitcode=7:report_format=both:history_depth=9:poison=1",
         )
         .unwrap();
         assert_eq!(o.on_violation, OnViolation::Halt);
         assert_eq!(o.exitcode, 7);
         assert_eq!(o.report_format, ReportFormat::Both);
         assert_eq!(o.history_depth, 9);
-        assert!(!o.poison);
+        assert!(o.poison);
         assert_eq!(o.quarantine_pages, Options::default().quarantine_pages);
+    }
+
+    #[test]
+    fn by_default_freed_pages_are_reused_as_in_production() {
+        let o = Options::default();
+        assert_eq!(o.quarantine_pages, 0);
+        assert!(!o.poison);
     }
 
     #[test]
