@@ -13,14 +13,22 @@
 //!   is emitted. Counted from what the kernels computed and what the
 //!   transfers carried — not from the node's own bookkeeping of
 //!   `computed`, which is exactly what a bug like the incident's gets wrong.
-//! - **`fast-first-token`**: the time from the request's arrival on the
-//!   node to its first token, per prompt token, is far below what the node
-//!   has needed for any prompt of its size class lately: less than
-//!   1/[`FAST_FACTOR`] of the 5th percentile of the last [`WINDOW`]
-//!   unflagged prompts of at least [`MIN_TIMED_PROMPT`] tokens, once
-//!   [`WARM_UP`] have been seen. Queueing and batching only make a first
-//!   token slower, never faster than the node can compute, so an honest
-//!   request is not flagged; a prompt whose KV was never computed is.
+//! - **`fast-first-token`**: the request's service time on the node, per
+//!   prompt token, is far below what the node has needed for any prompt of
+//!   its size class lately: less than 1/[`FAST_FACTOR`] of the 5th
+//!   percentile of the last [`WINDOW`] unflagged prompts of at least
+//!   [`MIN_TIMED_PROMPT`] tokens, once [`WARM_UP`] have been seen.
+//!
+//!   The service time is what the node's own work and the prompt's
+//!   computation can explain: the time from the request's arrival on the
+//!   node to its first token, less the time it waited in this node's queue
+//!   (arrival to admission). Queueing is left out because under saturation
+//!   it is most of a first token's time and varies from one request to the
+//!   next: a request that happened not to queue would look fast next to the
+//!   ones that did. What is left — batching alongside other requests,
+//!   transfers, the node's loop — only makes a first token slower, never
+//!   faster than the node can compute, so an honest request is not flagged;
+//!   a prompt whose KV was never computed is.
 //!
 //! A flagged request is counted ([`AnomalyCounts`], the `/metrics`
 //! `kvsan:anomalies_total{kind}`) and logged with its id, tenant and
@@ -29,7 +37,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bitvec::vec::BitVec;
 use kvsan_sanitizer::Owner;
@@ -170,6 +178,27 @@ pub const WARM_UP: usize = 32;
 /// must come to be flagged.
 pub const FAST_FACTOR: f64 = 8.0;
 
+/// The service time of a request whose first token came at `first_token`:
+/// the time since its arrival on the node, less the time it waited in this
+/// node's queue (from `arrived` to `admitted`, its latest admission; nothing
+/// when it was never admitted).
+///
+/// ```text
+///  unified  arrived ── queued ──▶ admitted ── chunks of the prompt ──────────▶ first token
+///  decode   arrived ── queued ──▶ admitted (pages reserved) ── prefill, KV ──▶ first token
+///           ╰──── left out ─────╯
+/// ```
+pub(crate) fn service_time(
+    arrived: Instant,
+    admitted: Option<Instant>,
+    first_token: Instant,
+) -> Duration {
+    let queued = admitted.map_or(Duration::ZERO, |a| a.saturating_duration_since(arrived));
+    first_token
+        .saturating_duration_since(arrived)
+        .saturating_sub(queued)
+}
+
 /// A request's numbers at its first token.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct FirstToken {
@@ -177,8 +206,9 @@ pub(crate) struct FirstToken {
     pub prompt_tokens: usize,
     /// Prompt positions with KV in every layer ([`KvCoverage::positions`]).
     pub kv_tokens: usize,
-    /// From the request's arrival on the node.
-    pub elapsed: Duration,
+    /// From the request's arrival on the node to its first token, less the
+    /// time it waited in the node's queue ([`service_time`]).
+    pub service: Duration,
 }
 
 /// One node's monitor.
@@ -191,6 +221,8 @@ pub(crate) struct Monitor {
 }
 
 impl Monitor {
+    /// A monitor that does `action` with what it flags, with nothing
+    /// timed yet.
     pub fn new(action: AnomalyAction) -> Monitor {
         Monitor {
             action,
@@ -218,13 +250,13 @@ impl Monitor {
             ));
         }
         if seen.prompt_tokens >= MIN_TIMED_PROMPT {
-            let per_token = seen.elapsed.as_secs_f64() / seen.prompt_tokens as f64;
+            let per_token = seen.service.as_secs_f64() / seen.prompt_tokens as f64;
             match self.floor() {
                 Some(floor) if per_token < floor / FAST_FACTOR => flagged.push((
                     AnomalyKind::FastFirstToken,
                     format!(
-                        "the first token came after {:.1} µs per prompt token ({} tokens); \
-                         this node's 5th percentile lately is {:.1} µs",
+                        "the first token came after {:.1} µs of service per prompt token \
+                         ({} tokens); this node's 5th percentile lately is {:.1} µs",
                         per_token * 1e6,
                         seen.prompt_tokens,
                         floor * 1e6
@@ -245,7 +277,7 @@ impl Monitor {
                 tenant = seen.owner.tenant.0,
                 prompt_tokens = seen.prompt_tokens,
                 kv_tokens = seen.kv_tokens,
-                elapsed_us = seen.elapsed.as_micros() as u64,
+                service_us = u64::try_from(seen.service.as_micros()).unwrap_or(u64::MAX),
                 "anomaly {}: {what}",
                 kind.name()
             );
@@ -288,16 +320,52 @@ mod tests {
 
     use super::*;
 
+    fn owner() -> Owner {
+        Owner {
+            request: RequestId(7),
+            tenant: TenantId(2),
+        }
+    }
+
     fn seen(prompt_tokens: usize, kv_tokens: usize, micros_per_token: u64) -> FirstToken {
         FirstToken {
-            owner: Owner {
-                request: RequestId(7),
-                tenant: TenantId(2),
-            },
+            owner: owner(),
             prompt_tokens,
             kv_tokens,
-            elapsed: Duration::from_micros(micros_per_token * prompt_tokens as u64),
+            service: Duration::from_micros(micros_per_token * prompt_tokens as u64),
         }
+    }
+
+    /// A request of `prompt_tokens` (all of their KV held) that waited
+    /// `queued_ms` in this node's queue and took `micros_per_token` of
+    /// compute per token once admitted; its numbers as a node gives them
+    /// to the monitor, and its time from arrival, queueing included.
+    fn through_a_queue(
+        prompt_tokens: usize,
+        queued_ms: u64,
+        micros_per_token: u64,
+    ) -> (FirstToken, Duration) {
+        let arrived = Instant::now();
+        let admitted = arrived + Duration::from_millis(queued_ms);
+        let first = admitted + Duration::from_micros(micros_per_token * prompt_tokens as u64);
+        let seen = FirstToken {
+            owner: owner(),
+            prompt_tokens,
+            kv_tokens: prompt_tokens,
+            service: service_time(arrived, Some(admitted), first),
+        };
+        (seen, first - arrived)
+    }
+
+    /// A monitor past its warm-up on a saturated node: every request of
+    /// its window waited 2 s in the queue, then took 200..263 µs a token.
+    fn saturated() -> Monitor {
+        let mut m = Monitor::new(AnomalyAction::Log);
+        for i in 0..WARM_UP as u64 * 2 {
+            let (seen, _) = through_a_queue(100, 2_000, 200 + i);
+            assert!(m.first_token("u", seen).is_none());
+        }
+        m
     }
 
     #[test]
@@ -347,6 +415,45 @@ mod tests {
         // …and forty times faster is not.
         m.first_token("u", seen(1100, 1100, 5));
         assert_eq!(m.counts().fast_first_token, 1);
+    }
+
+    #[test]
+    fn service_time_leaves_out_the_queue_on_this_node() {
+        let arrived = Instant::now();
+        let ms = Duration::from_millis;
+        let admitted = arrived + ms(300);
+        let first = arrived + ms(1_000);
+        assert_eq!(service_time(arrived, Some(admitted), first), ms(700));
+        // Never admitted: nothing is known to have been queueing.
+        assert_eq!(service_time(arrived, None, first), ms(1_000));
+    }
+
+    #[test]
+    fn a_request_whose_time_is_mostly_queueing_is_not_flagged_when_its_service_is_honest() {
+        let mut m = saturated();
+        // It found the queue empty: its first token came after its compute
+        // alone, 2 s sooner than any other's.
+        let (seen, elapsed) = through_a_queue(100, 0, 210);
+        assert!(m.first_token("u", seen).is_none());
+        assert_eq!(m.counts().total(), 0);
+        // Timed from arrival, queueing included, it came more than ten
+        // times FAST_FACTOR faster than the window's fastest.
+        let (_, fastest_in_window) = through_a_queue(100, 2_000, 200);
+        assert!(elapsed.as_secs_f64() * FAST_FACTOR * 10.0 < fastest_in_window.as_secs_f64());
+    }
+
+    #[test]
+    fn a_genuinely_fast_first_token_is_still_flagged_with_queueing_left_out() {
+        let mut m = saturated();
+        // KV for a 1,100-token prompt that was never computed: 5 µs a
+        // token after the same 2 s in the queue the others waited…
+        let (seen, _) = through_a_queue(1100, 2_000, 5);
+        m.first_token("u", seen);
+        assert_eq!(m.counts().fast_first_token, 1);
+        // …or without queueing.
+        let (seen, _) = through_a_queue(1100, 0, 5);
+        m.first_token("u", seen);
+        assert_eq!(m.counts().fast_first_token, 2);
     }
 
     #[test]

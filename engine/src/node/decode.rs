@@ -351,7 +351,9 @@ impl DecodeNode {
             }
             let prompt_len = seq.prompt_len;
             match self.core.ensure_pages(&mut seq, prompt_len) {
-                Ok(true) => {}
+                // Admitted: what it waits for from here is the prompt's
+                // computation.
+                Ok(true) => seq.admitted = Some(std::time::Instant::now()),
                 Ok(false) => {
                     self.core.release(&mut seq);
                     match self.core.lifecycle.enter(seq.owner, State::Queued) {

@@ -425,7 +425,7 @@ impl Executor {
             owner: seq.owner,
             prompt_tokens: seq.prompt_len,
             kv_tokens: seq.kv.positions(),
-            elapsed: seq.arrived.elapsed(),
+            service: seq.service_time(),
         };
         self.monitor.first_token(&self.name, seen)
     }

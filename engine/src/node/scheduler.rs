@@ -219,6 +219,7 @@ impl Scheduler {
                 continue;
             }
             seq.admitted_at = self.next_admission();
+            seq.admitted = Some(std::time::Instant::now());
             // The cached prefix is shared before anything is computed.
             if let Err(e) = core.share_prefix(&mut seq) {
                 failed.push((seq, e));

@@ -1,12 +1,12 @@
 //! A request as a node holds it: its tokens, pages, sampler and the channel
 //! its events go to.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use kvsan_sanitizer::{BlockTable, Owner};
 
-use crate::anomaly::KvCoverage;
+use crate::anomaly::{self, KvCoverage};
 use crate::request::{CacheSalt, Event, FinishReason, RequestError};
 use crate::sampler::Sampler;
 
@@ -31,13 +31,19 @@ pub(crate) struct Sequence {
     pub computed: usize,
     /// Where the client's events go (`None` on a prefill node: decode answers the client).
     pub events: Option<Sender<Event>>,
-    /// Order of admission (preemption takes the latest first).
+    /// Order of admission (preemption takes the latest first); when it
+    /// happened is `admitted`.
     pub admitted_at: u64,
     /// Fault `reject-as-placeholder`: the prompt was rejected and replaced
     /// by a one-token placeholder that is sent to prefill instead.
     pub placeholder: bool,
     /// When the request reached this node.
     pub arrived: Instant,
+    /// When it was last admitted: the scheduler took it into the running
+    /// batch (unified, prefill; again after a preemption, which recomputes
+    /// it from then), or its pages were reserved for its prompt (decode).
+    /// `None` while it has not been.
+    pub admitted: Option<Instant>,
     /// The prompt KV this node computed or received for it (the anomaly
     /// monitor's count, kept apart from `computed`).
     pub kv: KvCoverage,
@@ -60,6 +66,12 @@ impl Sequence {
     /// Positions still to compute before the next token can be sampled.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// Its service time if its first token came now: the time since its
+    /// arrival, less its queueing here ([`anomaly::service_time`]).
+    pub fn service_time(&self) -> Duration {
+        anomaly::service_time(self.arrived, self.admitted, Instant::now())
     }
 
     /// Sends `event` to the client (a client that went away is not an error).

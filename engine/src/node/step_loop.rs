@@ -36,6 +36,7 @@ pub(crate) fn new_sequence(
         admitted_at: 0,
         placeholder: false,
         arrived: std::time::Instant::now(),
+        admitted: None,
         kv: crate::anomaly::KvCoverage::default(),
         cache_salt: request.cache_salt,
         cache_keys: Vec::new(),
