@@ -22,13 +22,15 @@
 //!   The service time is what the node's own work and the prompt's
 //!   computation can explain: the time from the request's arrival on the
 //!   node to its first token, less the time it waited in this node's queue
-//!   (arrival to admission). Queueing is left out because under saturation
-//!   it is most of a first token's time and varies from one request to the
-//!   next: a request that happened not to queue would look fast next to the
-//!   ones that did. What is left — batching alongside other requests,
-//!   transfers, the node's loop — only makes a first token slower, never
-//!   faster than the node can compute, so an honest request is not flagged;
-//!   a prompt whose KV was never computed is.
+//!   (arrival to admission) and, on a decode node, in the prefill node's
+//!   queue (which prefill reports with its completion). Queueing is left
+//!   out because under saturation it is most of a first token's time and
+//!   varies from one request to the next: a request that happened not to
+//!   queue would look fast next to the ones that did. What is left —
+//!   batching alongside other requests, transfers, the node's loop — only
+//!   makes a first token slower, never faster than the node can compute, so
+//!   an honest request is not flagged; a prompt whose KV was never computed
+//!   is.
 //!
 //! A flagged request is counted ([`AnomalyCounts`], the `/metrics`
 //! `kvsan:anomalies_total{kind}`) and logged with its id, tenant and
@@ -181,22 +183,31 @@ pub const FAST_FACTOR: f64 = 8.0;
 /// The service time of a request whose first token came at `first_token`:
 /// the time since its arrival on the node, less the time it waited in this
 /// node's queue (from `arrived` to `admitted`, its latest admission; nothing
-/// when it was never admitted).
+/// when it was never admitted) and in the prefill node's (`peer_queued`, as
+/// prefill reported it).
 ///
 /// ```text
-///  unified  arrived ── queued ──▶ admitted ── chunks of the prompt ──────────▶ first token
-///  decode   arrived ── queued ──▶ admitted (pages reserved) ── prefill, KV ──▶ first token
-///           ╰──── left out ─────╯
+///  unified  arrived ── queued ──▶ admitted ── chunks of the prompt ─────────────────▶ first token
+///  decode   arrived ── queued ──▶ admitted (pages reserved) ── order ─▶ prefill:
+///                                 prefill arrived ── queued ──▶ admitted ── compute, KV ─▶ first token
+///           ╰──── left out ─────╯                    ╰── left out ──╯
+///                                                    (peer_queued)
 /// ```
+///
+/// Every difference saturates: clocks of two nodes are never compared (the
+/// peer sends a duration, not an instant), and a peer that reports more
+/// queueing than there was time makes the service zero, not negative.
 pub(crate) fn service_time(
     arrived: Instant,
     admitted: Option<Instant>,
+    peer_queued: Duration,
     first_token: Instant,
 ) -> Duration {
     let queued = admitted.map_or(Duration::ZERO, |a| a.saturating_duration_since(arrived));
     first_token
         .saturating_duration_since(arrived)
         .saturating_sub(queued)
+        .saturating_sub(peer_queued)
 }
 
 /// A request's numbers at its first token.
@@ -207,7 +218,8 @@ pub(crate) struct FirstToken {
     /// Prompt positions with KV in every layer ([`KvCoverage::positions`]).
     pub kv_tokens: usize,
     /// From the request's arrival on the node to its first token, less the
-    /// time it waited in the node's queue ([`service_time`]).
+    /// time it waited in queues, this node's and the prefill node's
+    /// ([`service_time`]).
     pub service: Duration,
 }
 
@@ -352,7 +364,7 @@ mod tests {
             owner: owner(),
             prompt_tokens,
             kv_tokens: prompt_tokens,
-            service: service_time(arrived, Some(admitted), first),
+            service: service_time(arrived, Some(admitted), Duration::ZERO, first),
         };
         (seen, first - arrived)
     }
@@ -418,14 +430,24 @@ mod tests {
     }
 
     #[test]
-    fn service_time_leaves_out_the_queue_on_this_node() {
+    fn service_time_leaves_out_the_queues_on_this_node_and_the_peer() {
         let arrived = Instant::now();
         let ms = Duration::from_millis;
         let admitted = arrived + ms(300);
         let first = arrived + ms(1_000);
-        assert_eq!(service_time(arrived, Some(admitted), first), ms(700));
+        assert_eq!(service_time(arrived, Some(admitted), ms(0), first), ms(700));
+        assert_eq!(
+            service_time(arrived, Some(admitted), ms(200), first),
+            ms(500)
+        );
         // Never admitted: nothing is known to have been queueing.
-        assert_eq!(service_time(arrived, None, first), ms(1_000));
+        assert_eq!(service_time(arrived, None, ms(0), first), ms(1_000));
+        // A peer reporting more queueing than there was time: zero, not
+        // a wrap-around.
+        assert_eq!(
+            service_time(arrived, Some(admitted), ms(5_000), first),
+            ms(0)
+        );
     }
 
     #[test]

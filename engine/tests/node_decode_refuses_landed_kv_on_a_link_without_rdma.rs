@@ -152,6 +152,7 @@ fn a_landed_notice_on_a_link_without_rdma_aborts_its_request_by_name() {
             request: order.owner.request,
             first_token: 1,
             cached_tokens: 0,
+            queued_us: 0,
         })
         .unwrap();
     let err = handle
@@ -197,6 +198,7 @@ fn the_same_transfer_with_its_bytes_in_the_message_is_accepted() {
             request: order.owner.request,
             first_token: 1,
             cached_tokens: 0,
+            queued_us: 0,
         })
         .unwrap();
     let out = handle.wait().expect("the transfer is accepted");

@@ -211,6 +211,7 @@ fn kv_lands_byte_for_byte(auth: Option<PeerKey>) {
             request: RequestId(1),
             first_token: 42,
             cached_tokens: 0,
+            queued_us: 0,
         };
         prefill.send(done.clone()).unwrap();
 

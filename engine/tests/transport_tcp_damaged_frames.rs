@@ -205,14 +205,15 @@ fn an_oversize_frame_disconnects_naming_the_limit() {
 fn a_peer_of_another_protocol_version_is_disconnected_naming_the_versions() {
     let ((_to_prefill, inbox), mut raw) = decode_with_raw_peer(TcpOptions::default());
     let mut f = encode(&support::hello()).unwrap();
-    // Version 1: a build from before prefill orders carried cache salts.
-    f[4..6].copy_from_slice(&1u16.to_le_bytes());
+    // Version 2: a build from before prefill completions carried the time
+    // the request waited in prefill's queue.
+    f[4..6].copy_from_slice(&2u16.to_le_bytes());
     let h = xxh3_64(&f[..28]) as u32;
     f[28..32].copy_from_slice(&h.to_le_bytes());
     raw.write_all(&f).unwrap();
     let reason = expect_disconnected(&inbox);
     assert!(
-        reason.contains("version 1") && reason.contains("[2]"),
+        reason.contains("version 2") && reason.contains("[3]"),
         "{reason}"
     );
 }

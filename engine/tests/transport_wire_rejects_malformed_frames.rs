@@ -77,7 +77,7 @@ fn an_unsupported_version_names_the_supported_ones() {
         "{e}"
     );
     assert!(
-        e.to_string().contains("version 7") && e.to_string().contains("[2]"),
+        e.to_string().contains("version 7") && e.to_string().contains("[3]"),
         "{e}"
     );
     assert!(!frame_fault_keeps_stream(&e));
@@ -253,7 +253,7 @@ fn a_kv_frame_whose_bytes_do_not_fit_its_manifest_is_malformed() {
 
 #[test]
 fn truncated_fields_name_the_field() {
-    // A prefill-done frame with only 5 of its 12 bytes.
+    // A prefill-done frame with only 5 of its 24 bytes.
     let f = raw_frame(wire::TYPE_PREFILL_DONE, FLAG_REQUEST, 9, &[9, 0, 0, 0, 0]);
     let e = read::<ToDecode>(&f, &limits()).unwrap_err();
     assert_eq!(malformed_field(&e), "request");

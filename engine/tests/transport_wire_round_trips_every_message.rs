@@ -111,8 +111,13 @@ fn the_header_is_the_documented_layout() {
     assert_eq!(len, bytes.len() - HEADER_LEN);
     assert_eq!(
         len,
-        8 + 4 + 4,
-        "request u64 + first token u32 + cached tokens u32"
+        8 + 4 + 4 + 8,
+        "request u64 + first token u32 + cached tokens u32 + queued µs u64"
+    );
+    assert_eq!(
+        u64::from_le_bytes(bytes[bytes.len() - 8..].try_into().unwrap()),
+        support::DONE_QUEUED_US,
+        "queued µs last"
     );
     assert_eq!(
         u64::from_le_bytes(bytes[12..20].try_into().unwrap()),

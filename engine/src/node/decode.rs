@@ -10,6 +10,7 @@
 //! freed and the request ends in this node's view.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
@@ -352,7 +353,7 @@ impl DecodeNode {
             let prompt_len = seq.prompt_len;
             match self.core.ensure_pages(&mut seq, prompt_len) {
                 // Admitted: what it waits for from here is the prompt's
-                // computation.
+                // computation (less prefill's queue, which prefill reports).
                 Ok(true) => seq.admitted = Some(std::time::Instant::now()),
                 Ok(false) => {
                     self.core.release(&mut seq);
@@ -412,7 +413,13 @@ impl DecodeNode {
                 request,
                 first_token,
                 cached_tokens,
-            }) => self.commit(request, first_token, cached_tokens as usize),
+                queued_us,
+            }) => self.commit(
+                request,
+                first_token,
+                cached_tokens as usize,
+                Duration::from_micros(queued_us),
+            ),
             Inbound::Message(ToDecode::PrefillFailed { request, error }) => {
                 self.unfenced.remove(&request);
                 self.left_for_cleanup.remove(&request);
@@ -794,13 +801,24 @@ impl DecodeNode {
     }
 
     /// Prefill finished: commit the received KV and start decoding.
-    fn commit(&mut self, request: RequestId, first_token: u32, cached_tokens: usize) {
+    /// `cached_tokens` of the prompt came from prefill's prefix cache; the
+    /// request waited `peer_queued` in prefill's queue.
+    fn commit(
+        &mut self,
+        request: RequestId,
+        first_token: u32,
+        cached_tokens: usize,
+        peer_queued: Duration,
+    ) {
         match self.core.lifecycle.state(request) {
             Some(State::Transferring) => {}
             Some(State::Draining) => return self.drained(request),
             _ => {
                 match self.left_for_cleanup.remove(&request) {
-                    Some(seq) => self.commit_left_for_cleanup(seq, first_token),
+                    Some(mut seq) => {
+                        seq.peer_queued = peer_queued;
+                        self.commit_left_for_cleanup(seq, first_token);
+                    }
                     None => {
                         self.unfenced.remove(&request);
                         tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
@@ -814,6 +832,7 @@ impl DecodeNode {
             return;
         };
         seq.cached_tokens = cached_tokens.min(seq.prompt_len);
+        seq.peer_queued = peer_queued;
         let verdict = self.commit_hook(&seq);
         if !verdict.is_continue() {
             let e = RequestError::aborted_by(verdict, &self.core.name);
@@ -1124,7 +1143,7 @@ mod tests {
 
     /// Commits request 1 and runs the node until it is idle; its events.
     fn finish(node: &mut DecodeNode, events: &Receiver<Event>) -> Vec<Event> {
-        node.commit(RequestId(1), 1, 0);
+        node.commit(RequestId(1), 1, 0, Duration::ZERO);
         for _ in 0..100 {
             if node.sched.is_idle() {
                 break;

@@ -247,7 +247,10 @@ impl PrefillNode {
         }
     }
 
-    /// Pushes a completed prompt's KV and first token to decode, then frees its pages.
+    /// Pushes a completed prompt's KV to decode, then frees its pages and
+    /// sends the first token, with the prompt tokens found in the prefix
+    /// cache and how long the request waited in this node's queue (decode's
+    /// anomaly monitor leaves both out of its timing).
     fn ship(&mut self, seq: Sequence, first_token: u32, link: &dyn Link<ToDecode>) {
         let Some(dest) = self.dests.remove(&seq.owner.request) else {
             // Cancelled while computing.
@@ -322,6 +325,7 @@ impl PrefillNode {
         // the prefill is done.
         let request = seq.owner.request;
         let cached_tokens = u32::try_from(seq.cached_tokens).unwrap_or(u32::MAX);
+        let queued_us = u64::try_from(seq.queued().as_micros()).unwrap_or(u64::MAX);
         self.end(seq, State::Finished);
         // Fault `transfer-replayed-after-commit`: the previous request's last
         // message goes again, as the retry of a write never acknowledged.
@@ -332,6 +336,7 @@ impl PrefillNode {
             request,
             first_token,
             cached_tokens,
+            queued_us,
         });
     }
 

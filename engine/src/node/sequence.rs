@@ -44,6 +44,10 @@ pub(crate) struct Sequence {
     /// it from then), or its pages were reserved for its prompt (decode).
     /// `None` while it has not been.
     pub admitted: Option<Instant>,
+    /// Decode: how long it waited in the prefill node's queue before
+    /// prefill admitted it, as prefill reported with its completion; zero
+    /// elsewhere.
+    pub peer_queued: Duration,
     /// The prompt KV this node computed or received for it (the anomaly
     /// monitor's count, kept apart from `computed`).
     pub kv: KvCoverage,
@@ -68,10 +72,24 @@ impl Sequence {
         self.tokens.len() - self.computed
     }
 
+    /// How long it waited in this node's queue before its latest admission
+    /// (zero while it has not been admitted).
+    pub fn queued(&self) -> Duration {
+        self.admitted.map_or(Duration::ZERO, |a| {
+            a.saturating_duration_since(self.arrived)
+        })
+    }
+
     /// Its service time if its first token came now: the time since its
-    /// arrival, less its queueing here ([`anomaly::service_time`]).
+    /// arrival, less its queueing here and on the prefill node
+    /// ([`anomaly::service_time`]).
     pub fn service_time(&self) -> Duration {
-        anomaly::service_time(self.arrived, self.admitted, Instant::now())
+        anomaly::service_time(
+            self.arrived,
+            self.admitted,
+            self.peer_queued,
+            Instant::now(),
+        )
     }
 
     /// Sends `event` to the client (a client that went away is not an error).

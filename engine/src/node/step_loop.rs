@@ -37,6 +37,7 @@ pub(crate) fn new_sequence(
         placeholder: false,
         arrived: std::time::Instant::now(),
         admitted: None,
+        peer_queued: std::time::Duration::ZERO,
         kv: crate::anomaly::KvCoverage::default(),
         cache_salt: request.cache_salt,
         cache_keys: Vec::new(),

@@ -8,7 +8,7 @@
 //!  ToPrefill::Prefill {owner, prompt, dst_pages} ─────────▶ admit, compute the prompt's KV
 //!                                      ◀──────── ToDecode::Kv {manifest, bytes}   (RDMA WRITE semantics:
 //!  transfer_recv: bytes land in dst pages                    the bytes go into the pages decode reserved)
-//!                                      ◀──────── ToDecode::PrefillDone {first token}
+//!                                      ◀──────── ToDecode::PrefillDone {first token, time queued}
 //!  transfer_commit, decode
 //! ```
 //!
@@ -125,6 +125,11 @@ pub enum ToDecode {
         first_token: u32,
         /// Prompt tokens whose KV prefill found in its prefix cache.
         cached_tokens: u32,
+        /// Microseconds the request waited in prefill's queue before prefill
+        /// admitted it: decode's anomaly monitor times only the rest. A
+        /// duration, not an instant, so the two nodes' clocks are never
+        /// compared.
+        queued_us: u64,
     },
     /// Prefill refused or failed the request.
     PrefillFailed {

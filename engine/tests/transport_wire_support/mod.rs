@@ -75,11 +75,15 @@ pub fn prefill_order(request: u64, prompt_len: usize) -> ToPrefill {
     })
 }
 
+/// The time queued that [`done`] reports, in microseconds.
+pub const DONE_QUEUED_US: u64 = 1_500_250;
+
 pub fn done(request: u64) -> ToDecode {
     ToDecode::PrefillDone {
         request: RequestId(request),
         first_token: 1234,
         cached_tokens: 96,
+        queued_us: DONE_QUEUED_US,
     }
 }
 
@@ -292,10 +296,13 @@ pub fn to_decode() -> impl Strategy<Value = ToDecode> {
             })
         }),
         kv_transfer().prop_map(ToDecode::Kv),
-        (any::<u64>(), any::<u32>(), any::<u32>()).prop_map(|(r, t, c)| ToDecode::PrefillDone {
-            request: RequestId(r),
-            first_token: t,
-            cached_tokens: c,
+        (any::<u64>(), any::<u32>(), any::<u32>(), any::<u64>()).prop_map(|(r, t, c, q)| {
+            ToDecode::PrefillDone {
+                request: RequestId(r),
+                first_token: t,
+                cached_tokens: c,
+                queued_us: q,
+            }
         }),
         (any::<u64>(), request_error()).prop_map(|(r, error)| ToDecode::PrefillFailed {
             request: RequestId(r),

@@ -202,10 +202,12 @@ impl WireMessage for ToDecode {
                 request,
                 first_token,
                 cached_tokens,
+                queued_us,
             } => {
                 p.u64(request.0);
                 p.u32(*first_token);
                 p.u32(*cached_tokens);
+                p.u64(*queued_us);
             }
             ToDecode::PrefillFailed { request, error } => {
                 p.u64(request.0);
@@ -327,6 +329,7 @@ impl WireMessage for ToDecode {
                     request: RequestId(t.u64("request")?),
                     first_token: t.u32("first_token")?,
                     cached_tokens: t.u32("cached_tokens")?,
+                    queued_us: t.u64("queued_us")?,
                 }
             }
             _ => {

@@ -8,7 +8,7 @@
 //!  byte 0       4         6      7       8          12                 20                 28          32
 //!       +-------+---------+------+-------+----------+------------------+------------------+-----------+
 //!       | magic | version | type | flags | len: u32 | request: u64     | payload: u64     | head: u32 |
-//!       | KVSN  | u16 = 1 | u8   | u8    | payload  | (flag REQUEST)   | XXH3-64 of the   | low 32 b. |
+//!       | KVSN  | u16 = 3 | u8   | u8    | payload  | (flag REQUEST)   | XXH3-64 of the   | low 32 b. |
 //!       |       |         |      |       | bytes    | else 0           | len payload bytes| of XXH3-64|
 //!       +-------+---------+------+-------+----------+------------------+------------------+ of 0..28  +
 //!
@@ -55,7 +55,8 @@
 //!                                                  payload kind u8 (0 Bytes, 1 Landed);
 //!                                                  Bytes: the KV bytes are the bulk section, exactly
 //!                                                  kv_payload_len(manifest, kv_dim) long
-//!    18  prefill → decode   ToDecode::PrefillDone  request u64, first_token u32, cached_tokens u32
+//!    18  prefill → decode   ToDecode::PrefillDone  request u64, first_token u32, cached_tokens u32,
+//!                                                  queued_us u64
 //!    19  prefill → decode   ToDecode::PrefillFailed request u64, kind str (the stable name:
 //!                                                  `rejected`, `transport`, …), message str,
 //!                                                  rejection Option<(reason str, prompt_tokens u64,
@@ -85,9 +86,9 @@ pub use frame::{
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"KVSN";
 /// The protocol version this build writes.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// The protocol versions this build reads.
-pub const SUPPORTED_VERSIONS: &[u16] = &[2];
+pub const SUPPORTED_VERSIONS: &[u16] = &[3];
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 32;
 /// Default largest payload a reader accepts: 64 MiB.
