@@ -14,10 +14,11 @@
 //!   transfers carried — not from the node's own bookkeeping of
 //!   `computed`, which is exactly what a bug like the incident's gets wrong.
 //! - **`fast-first-token`**: the request's service time on the node, per
-//!   prompt token, is far below what the node has needed for any prompt of
-//!   its size class lately: less than 1/[`FAST_FACTOR`] of the 5th
-//!   percentile of the last [`WINDOW`] unflagged prompts of at least
-//!   [`MIN_TIMED_PROMPT`] tokens, once [`WARM_UP`] have been seen.
+//!   prompt token it had to compute, is far below what the node has needed
+//!   for any such prompt lately: less than 1/[`FAST_FACTOR`] of the
+//!   minimum over the last [`WINDOW`] unflagged prompts with at least
+//!   [`MIN_TIMED_PROMPT`] tokens to compute, once [`WARM_UP`] have been
+//!   seen.
 //!
 //!   The service time is what the node's own work and the prompt's
 //!   computation can explain: the time from the request's arrival on the
@@ -26,11 +27,12 @@
 //!   queue (which prefill reports with its completion). Queueing is left
 //!   out because under saturation it is most of a first token's time and
 //!   varies from one request to the next: a request that happened not to
-//!   queue would look fast next to the ones that did. What is left —
-//!   batching alongside other requests, transfers, the node's loop — only
-//!   makes a first token slower, never faster than the node can compute, so
-//!   an honest request is not flagged; a prompt whose KV was never computed
-//!   is.
+//!   queue would look fast next to the ones that did. The tokens counted
+//!   are the prompt's less those found in the prefix cache, which cost
+//!   nothing to compute. What is left — batching alongside other requests,
+//!   transfers, the node's loop — only makes a first token slower than the
+//!   node's fastest, so an honest request is not flagged; a prompt whose KV
+//!   was never computed is.
 //!
 //! A flagged request is counted ([`AnomalyCounts`], the `/metrics`
 //! `kvsan:anomalies_total{kind}`) and logged with its id, tenant and
@@ -176,8 +178,8 @@ pub const MIN_TIMED_PROMPT: usize = 64;
 pub const WINDOW: usize = 256;
 /// Timed prompts seen before the time check flags anything.
 pub const WARM_UP: usize = 32;
-/// How many times faster than the node's 5th percentile a first token
-/// must come to be flagged.
+/// How many times faster than the node's fastest recent first token (per
+/// computed token) a first token must come to be flagged.
 pub const FAST_FACTOR: f64 = 8.0;
 
 /// The service time of a request whose first token came at `first_token`:
@@ -215,6 +217,9 @@ pub(crate) fn service_time(
 pub(crate) struct FirstToken {
     pub owner: Owner,
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache: shared, not
+    /// computed for this request.
+    pub cached_tokens: usize,
     /// Prompt positions with KV in every layer ([`KvCoverage::positions`]).
     pub kv_tokens: usize,
     /// From the request's arrival on the node to its first token, less the
@@ -223,11 +228,20 @@ pub(crate) struct FirstToken {
     pub service: Duration,
 }
 
+impl FirstToken {
+    /// Prompt tokens computed for this request (the prompt's, less those
+    /// found in the prefix cache).
+    fn computed_tokens(&self) -> usize {
+        self.prompt_tokens.saturating_sub(self.cached_tokens)
+    }
+}
+
 /// One node's monitor.
 #[derive(Debug)]
 pub(crate) struct Monitor {
     action: AnomalyAction,
-    /// Seconds per prompt token of the last [`WINDOW`] unflagged timed prompts.
+    /// Seconds of service per computed token of the last [`WINDOW`]
+    /// unflagged timed prompts.
     recent: VecDeque<f64>,
     counts: AnomalyCounts,
 }
@@ -261,14 +275,16 @@ impl Monitor {
                 ),
             ));
         }
-        if seen.prompt_tokens >= MIN_TIMED_PROMPT {
-            let per_token = seen.service.as_secs_f64() / seen.prompt_tokens as f64;
+        let computed = seen.computed_tokens();
+        if computed >= MIN_TIMED_PROMPT {
+            let per_token = seen.service.as_secs_f64() / computed as f64;
             match self.floor() {
                 Some(floor) if per_token < floor / FAST_FACTOR => flagged.push((
                     AnomalyKind::FastFirstToken,
                     format!(
-                        "the first token came after {:.1} µs of service per prompt token \
-                         ({} tokens); this node's 5th percentile lately is {:.1} µs",
+                        "the first token came after {:.1} µs of service per computed prompt \
+                         token ({computed} of {} tokens computed); this node's fastest lately \
+                         is {:.1} µs",
                         per_token * 1e6,
                         seen.prompt_tokens,
                         floor * 1e6
@@ -288,6 +304,7 @@ impl Monitor {
                 request = seen.owner.request.0,
                 tenant = seen.owner.tenant.0,
                 prompt_tokens = seen.prompt_tokens,
+                cached_tokens = seen.cached_tokens,
                 kv_tokens = seen.kv_tokens,
                 service_us = u64::try_from(seen.service.as_micros()).unwrap_or(u64::MAX),
                 "anomaly {}: {what}",
@@ -306,18 +323,28 @@ impl Monitor {
         })
     }
 
-    /// The 5th percentile of the remembered prompts' time per token, once
-    /// enough were seen (a percentile, not the minimum: one honest fast
-    /// prompt does not lower the bar for the next).
+    /// The fastest remembered time per computed token, once enough were
+    /// seen.
+    ///
+    /// The minimum, not a low percentile: with queueing left out of the
+    /// service time, the window's minimum is the node's real fastest — a
+    /// prompt computed with little else in the batch — and nothing honest
+    /// comes in far below it. A percentile of a saturated window is
+    /// inflated, since most of its requests were computed in full batches
+    /// and took longer per token than the node can when it is quiet; a
+    /// quiet moment then looked like an anomaly. An honest fast prompt
+    /// lowers the bar for the next, which only errs toward not flagging;
+    /// the prompts this check is for (KV never computed) come in orders of
+    /// magnitude below any honest time, not a factor of a few.
     fn floor(&self) -> Option<f64> {
         if self.recent.len() < WARM_UP {
             return None;
         }
-        let mut sorted: Vec<f64> = self.recent.iter().copied().collect();
-        sorted.sort_by(f64::total_cmp);
-        Some(sorted[sorted.len() / 20])
+        self.recent.iter().copied().min_by(f64::total_cmp)
     }
 
+    /// Remembers an unflagged timed prompt's time per computed token,
+    /// forgetting the oldest beyond [`WINDOW`].
     fn remember(&mut self, per_token: f64) {
         if self.recent.len() == WINDOW {
             self.recent.pop_front();
@@ -343,12 +370,13 @@ mod tests {
         FirstToken {
             owner: owner(),
             prompt_tokens,
+            cached_tokens: 0,
             kv_tokens,
             service: Duration::from_micros(micros_per_token * prompt_tokens as u64),
         }
     }
 
-    /// A request of `prompt_tokens` (all of their KV held) that waited
+    /// A request of `prompt_tokens` (none cached, all held) that waited
     /// `queued_ms` in this node's queue and took `micros_per_token` of
     /// compute per token once admitted; its numbers as a node gives them
     /// to the monitor, and its time from arrival, queueing included.
@@ -363,6 +391,7 @@ mod tests {
         let seen = FirstToken {
             owner: owner(),
             prompt_tokens,
+            cached_tokens: 0,
             kv_tokens: prompt_tokens,
             service: service_time(arrived, Some(admitted), Duration::ZERO, first),
         };
@@ -421,11 +450,22 @@ mod tests {
                     .is_none()
             );
         }
-        // Eight times faster than the fastest honest one is still honest…
+        // Forty times faster than the fastest honest one is flagged (and,
+        // flagged, not remembered)…
+        let mut m = Monitor {
+            action: AnomalyAction::Abort,
+            ..m
+        };
+        let e = m.first_token("u", seen(1100, 1100, 5)).expect("aborted");
+        assert_eq!(m.counts().fast_first_token, 1);
+        assert!(e.message.contains("fast-first-token"), "{}", e.message);
+        assert!(
+            e.message.contains("1100 of 1100 tokens computed"),
+            "{}",
+            e.message
+        );
+        // …and eight times faster is still honest.
         assert!(m.first_token("u", seen(100, 100, 26)).is_none());
-        assert_eq!(m.counts().fast_first_token, 0);
-        // …and forty times faster is not.
-        m.first_token("u", seen(1100, 1100, 5));
         assert_eq!(m.counts().fast_first_token, 1);
     }
 
@@ -476,6 +516,61 @@ mod tests {
         let (seen, _) = through_a_queue(1100, 0, 5);
         m.first_token("u", seen);
         assert_eq!(m.counts().fast_first_token, 2);
+    }
+
+    #[test]
+    fn the_floor_is_the_windows_fastest_not_a_low_percentile() {
+        let mut m = Monitor::new(AnomalyAction::Log);
+        // Two prompts computed on a quiet node, the rest in full batches
+        // at five times the time per token.
+        for _ in 0..2 {
+            m.first_token("u", seen(100, 100, 200));
+        }
+        for _ in 0..WARM_UP * 2 {
+            m.first_token("u", seen(100, 100, 1_000));
+        }
+        // Under 1/8 of the quiet node's time: flagged.
+        assert!(m.first_token("u", seen(100, 100, 20)).is_none());
+        assert_eq!(m.counts().fast_first_token, 1);
+        // Under 1/8 of the batches' time (and of their 5th percentile), but
+        // not of the quiet node's: honest.
+        assert!(m.first_token("u", seen(100, 100, 100)).is_none());
+        assert_eq!(m.counts().fast_first_token, 1);
+    }
+
+    #[test]
+    fn time_is_per_computed_token_and_cached_tokens_cost_nothing() {
+        let mut m = Monitor::new(AnomalyAction::Log);
+        for _ in 0..WARM_UP {
+            m.first_token("u", seen(100, 100, 200));
+        }
+        // 900 of 1,000 tokens found in the prefix cache, 100 computed at
+        // the node's usual pace: 20 µs per prompt token, but 200 per
+        // computed one.
+        let cached = FirstToken {
+            cached_tokens: 900,
+            service: Duration::from_micros(100 * 200),
+            ..seen(1000, 1000, 0)
+        };
+        assert!(m.first_token("u", cached).is_none());
+        assert_eq!(m.counts().total(), 0);
+        // Too few computed tokens to time, however fast.
+        let mostly_cached = FirstToken {
+            cached_tokens: 1000 - (MIN_TIMED_PROMPT - 1),
+            service: Duration::ZERO,
+            ..seen(1000, 1000, 0)
+        };
+        assert!(m.first_token("u", mostly_cached).is_none());
+        assert_eq!(m.counts().total(), 0);
+        // The same 100 computed tokens in a hundredth of the time are not
+        // honest.
+        let fast = FirstToken {
+            cached_tokens: 900,
+            service: Duration::from_micros(100 * 2),
+            ..seen(1000, 1000, 0)
+        };
+        m.first_token("u", fast);
+        assert_eq!(m.counts().fast_first_token, 1);
     }
 
     #[test]

@@ -424,6 +424,7 @@ impl Executor {
         let seen = FirstToken {
             owner: seq.owner,
             prompt_tokens: seq.prompt_len,
+            cached_tokens: seq.cached_tokens,
             kv_tokens: seq.kv.positions(),
             service: seq.service_time(),
         };
