@@ -85,7 +85,9 @@ pub use frame::{
 
 /// The four bytes every frame starts with.
 pub const MAGIC: [u8; 4] = *b"KVSN";
-/// The protocol version this build writes.
+/// The protocol version this build writes: 3 added `PrefillDone`'s
+/// `queued_us` and the landing digests of `Kv`, which a version 2 peer
+/// neither sends nor reads.
 pub const VERSION: u16 = 3;
 /// The protocol versions this build reads.
 pub const SUPPORTED_VERSIONS: &[u16] = &[3];
