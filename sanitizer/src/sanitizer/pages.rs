@@ -1,7 +1,7 @@
 //! The page hooks: alloc, free, share, and the host-side write and read.
 
-use super::finding::{Finding, with_article};
 use super::Sanitizer;
+use super::finding::{Finding, with_article};
 use crate::error::SanitizerError;
 use crate::history::{Event, EventKind};
 use crate::ids::{Generation, Owner, PageId, PageRef, PoolId};
