@@ -35,7 +35,8 @@ impl Rig {
         let pool = KvPool::new(geometry, pages).expect("pool");
         let reports = ReportBuffer::default();
         let san = Arc::new(Sanitizer::with_writer(
-            Options::parse("report_format=text").expect("options"),
+            // Poison on: the kernels' NaN scan traces poison to its page.
+            Options::parse("report_format=text:poison=1").expect("options"),
             reports.clone(),
         ));
         let pool_id = san

@@ -588,7 +588,10 @@ impl DecodeNode {
             let slot_bytes = layers.len() * 2 * self.core.pool.geometry().slot_width() * 2;
             let mut at = 0;
             for (idx, slots) in &pieces {
-                let piece = &bytes[at..at + slots.len() * slot_bytes];
+                let Some(piece) = bytes.get(at..at + slots.len() * slot_bytes) else {
+                    tracing::error!(node = %self.core.name, request = manifest.request.request.0, "KV transfer shorter than its manifest: copy stopped");
+                    break;
+                };
                 at += piece.len();
                 let (page, written) = self.copy_destination(manifest, *idx, slots.clone());
                 if written.is_empty() {
@@ -1031,6 +1034,15 @@ mod tests {
         registered: bool,
         link: Option<LandingZone>,
     ) -> (DecodeNode, Receiver<Inbound<ToPrefill>>) {
+        node_with(registered, link, Hooks::none())
+    }
+
+    /// [`node`] with `hooks`.
+    fn node_with(
+        registered: bool,
+        link: Option<LandingZone>,
+        hooks: Hooks,
+    ) -> (DecodeNode, Receiver<Inbound<ToPrefill>>) {
         let model = Arc::new(
             SyntheticSpec {
                 context_length: CONTEXT,
@@ -1041,7 +1053,7 @@ mod tests {
         );
         let cfg = NodeSettings {
             page_slots: PAGE_SLOTS,
-            hooks: Hooks::none(),
+            hooks,
             check: AttentionCheck::Unchecked,
             anomaly: crate::anomaly::AnomalyAction::Abort,
             prefix_cache: crate::prefix_cache::PrefixCachePolicy::Off,
@@ -1182,6 +1194,65 @@ mod tests {
         });
         assert_eq!(landed.core.stats.transfers, 1);
         assert_eq!(finish(&mut landed, &events), expected);
+    }
+
+    /// An RDMA landing has no copy to check: under a sanitizer its slots
+    /// count as written only through the landing digests. With the sender's
+    /// digests the request decodes as it does without a sanitizer; with a
+    /// digest that does not match what its page holds it is aborted, and
+    /// the slots of that page are never marked written.
+    #[test]
+    fn landed_kv_under_a_sanitizer_is_written_only_where_its_digests_match() {
+        let expected = {
+            let (mut plain, prefill) = node(true, Some(ZONE));
+            let (order, events) = submit(&mut plain, &prefill);
+            let (m, bytes) = transfer(&plain, &order);
+            land(&mut plain, &m, &bytes);
+            let digests = digests_of(&plain, &m, &bytes);
+            plain.receive(KvTransfer {
+                manifest: m,
+                payload: KvPayload::Landed,
+                digests,
+            });
+            finish(&mut plain, &events)
+        };
+        for bad_page in [None, Some(1)] {
+            let sanitizer = Arc::new(kvsan_sanitizer::Sanitizer::with_writer(
+                kvsan_sanitizer::Options::default(),
+                std::io::sink(),
+            ));
+            let hooks = Hooks::sanitizer(sanitizer.clone());
+            let (mut node, prefill) = node_with(true, Some(ZONE), hooks);
+            let (order, events) = submit(&mut node, &prefill);
+            let (m, bytes) = transfer(&node, &order);
+            land(&mut node, &m, &bytes);
+            let mut digests = digests_of(&node, &m, &bytes);
+            if let Some(page) = bad_page {
+                digests[page] ^= 1;
+            }
+            node.receive(KvTransfer {
+                manifest: m,
+                payload: KvPayload::Landed,
+                digests,
+            });
+            let kinds: Vec<_> = sanitizer.violations().iter().map(|v| v.kind).collect();
+            match bad_page {
+                None => {
+                    assert_eq!(finish(&mut node, &events), expected);
+                    assert!(kinds.is_empty(), "{kinds:?}");
+                }
+                Some(_) => {
+                    assert_eq!(
+                        kinds,
+                        [kvsan_sanitizer::ViolationKind::TransferDigestMismatch]
+                    );
+                    assert!(
+                        matches!(events.try_iter().last(), Some(Event::Error(_))),
+                        "the request is aborted"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
