@@ -7,6 +7,10 @@
 //! A module is a `src/` folder or file (`node/`, `kv_pool.rs`); an import is
 //! any `crate::name` path in code (comments are skipped), in a `use` or
 //! written inline.
+//!
+//! The same holds inside every folder: no two files of one folder
+//! (`rdma/handshake.rs`, `rdma/verbs.rs`) import each other, by
+//! `super::name` or by their whole `crate::` path.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -103,6 +107,150 @@ fn loops(src: &Path) -> Vec<String> {
         }
     }
     loops
+}
+
+/// The sibling modules `line` of a file names: `super::name`, or
+/// `crate::<folder path>::name`, for a `name` of `siblings` (code only).
+fn sibling_imports(line: &str, folder_path: &str, siblings: &[String]) -> Vec<String> {
+    let code = line.trim_start();
+    if code.starts_with("//") {
+        return Vec::new();
+    }
+    let code = code.split("//").next().unwrap_or(code);
+    let mut prefixes = vec!["super::".to_string()];
+    if !folder_path.is_empty() {
+        prefixes.push(format!("crate::{folder_path}::"));
+    }
+    let mut found = Vec::new();
+    for prefix in &prefixes {
+        let mut rest = code;
+        while let Some(at) = rest.find(prefix.as_str()) {
+            let before = rest[..at].chars().next_back();
+            rest = &rest[at + prefix.len()..];
+            if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$' || c == ':') {
+                continue;
+            }
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            // `super::{a, b}` names each of them.
+            if name.is_empty() && rest.starts_with('{') {
+                let group = rest[1..].split('}').next().unwrap_or_default();
+                for item in group.split(',') {
+                    let item = item.trim().split("::").next().unwrap_or_default();
+                    if siblings.iter().any(|s| s == item) {
+                        found.push(item.to_string());
+                    }
+                }
+            } else if siblings.contains(&name) {
+                found.push(name);
+            }
+        }
+    }
+    found
+}
+
+/// For each folder below `src`: (file, sibling it imports) → one `file:line`,
+/// the names as `folder/file`.
+fn sibling_edges(src: &Path) -> BTreeMap<(String, String), String> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let mut edges = BTreeMap::new();
+    for file in &files {
+        let stem = file
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or_default();
+        if matches!(stem, "mod" | "lib" | "main") {
+            continue;
+        }
+        let dir = file.parent().expect("a file has a folder");
+        let folder = dir.strip_prefix(src).expect("below src");
+        let folder_path: Vec<&str> = folder.iter().filter_map(|c| c.to_str()).collect();
+        let siblings: Vec<String> = std::fs::read_dir(dir)
+            .expect("the file's folder")
+            .filter_map(|e| {
+                let path = e.ok()?.path();
+                let name = path.file_stem()?.to_str()?.to_string();
+                let module = path.is_dir() || path.extension().is_some_and(|x| x == "rs");
+                (module && name != stem && !matches!(name.as_str(), "mod" | "lib" | "main"))
+                    .then_some(name)
+            })
+            .collect();
+        let text = std::fs::read_to_string(file).expect("source file");
+        let at = |name: &str| format!("{}/{name}", folder.display());
+        for (n, line) in text.lines().enumerate() {
+            for to in sibling_imports(line, &folder_path.join("::"), &siblings) {
+                edges
+                    .entry((at(stem), at(&to)))
+                    .or_insert_with(|| format!("{}:{}", file.display(), n + 1));
+            }
+        }
+    }
+    edges
+}
+
+/// The loops between two files of one folder, each with a line of both sides.
+fn sibling_loops(src: &Path) -> Vec<String> {
+    let edges = sibling_edges(src);
+    let mut loops = Vec::new();
+    for ((a, b), at) in &edges {
+        if a < b
+            && let Some(back) = edges.get(&(b.clone(), a.clone()))
+        {
+            loops.push(format!("{a} <-> {b} ({at} / {back})"));
+        }
+    }
+    loops
+}
+
+#[test]
+fn no_file_imports_a_sibling_that_imports_it_back() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The scanner reads the sources: files of the engine import siblings.
+    assert!(sibling_edges(&root.join("engine/src")).len() > 20);
+    let found: Vec<String> = CRATES
+        .iter()
+        .flat_map(|krate| sibling_loops(&root.join(krate)))
+        .collect();
+    assert!(
+        found.is_empty(),
+        "import loops inside folders:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn two_files_of_a_folder_that_import_each_other_are_a_loop() {
+    let dir = std::env::temp_dir().join(format!("kvsan-sibling-loops-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("net")).expect("temp dir");
+    std::fs::write(dir.join("lib.rs"), "pub mod net;\n").expect("write");
+    std::fs::write(dir.join("net/mod.rs"), "mod verbs;\nmod handshake;\n").expect("write");
+    std::fs::write(
+        dir.join("net/handshake.rs"),
+        "use super::{verbs::Qp, Error};\n",
+    )
+    .expect("write");
+    std::fs::write(
+        dir.join("net/verbs.rs"),
+        "// super::handshake in a comment\n",
+    )
+    .expect("write");
+    assert!(sibling_loops(&dir).is_empty(), "one way is no loop");
+    std::fs::write(
+        dir.join("net/verbs.rs"),
+        "fn f() { crate::net::handshake::g() }\n",
+    )
+    .expect("write");
+    let found = sibling_loops(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("net/handshake <-> net/verbs"),
+        "{found:?}"
+    );
 }
 
 #[test]

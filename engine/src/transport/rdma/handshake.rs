@@ -21,23 +21,13 @@ use std::io::{Read, Write};
 use kvsan_kernels::attention::KvGeometry;
 
 use super::RdmaError;
-use super::verbs::QpEndpoint;
+use super::verbs::{QpEndpoint, RemotePool};
 
 const MAGIC: &[u8; 9] = b"KVSANRDMA";
 const VERSION: u16 = 1;
 const ROLE_DECODE: u8 = 1;
 const ROLE_PREFILL: u8 = 2;
 const READY: u8 = b'R';
-
-/// The decode node's registered pool, as the prefill side addresses it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RemotePool {
-    pub addr: u64,
-    pub len: u64,
-    pub rkey: u32,
-    pub geometry: KvGeometry,
-    pub n_pages: u32,
-}
 
 /// One side's hello.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -55,8 +55,8 @@ pub use verbs::{
     PoolRegion, PoolRegistration, RdmaConfig, RdmaDevice, RegisteredPool, rdma_devices,
 };
 
-use self::handshake::{Hello, RemotePool};
-use self::verbs::{Backoff, QueuePairRc, RegisteredBuffer, SendKind, SendOp};
+use self::handshake::Hello;
+use self::verbs::{Backoff, QueuePairRc, RegisteredBuffer, RemotePool, SendKind, SendOp};
 use super::peer_auth::{self, PeerKey, PeerRole};
 use super::wire::{self, WireLimits};
 use super::{

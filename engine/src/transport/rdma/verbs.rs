@@ -28,7 +28,6 @@ use sideway::ibverbs::queue_pair::{
 use kvsan_kernels::attention::KvGeometry;
 
 use super::RdmaError;
-use super::handshake::RemotePool;
 use crate::kv_pool::KvPool;
 use crate::transport::LandingZone;
 
@@ -440,6 +439,16 @@ impl RegisteredBuffer {
         debug_assert!(offset <= self.buf.len());
         (self.buf.as_ptr() as u64 + offset as u64, self.region.lkey())
     }
+}
+
+/// The decode node's registered pool, as the prefill side addresses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RemotePool {
+    pub addr: u64,
+    pub len: u64,
+    pub rkey: u32,
+    pub geometry: KvGeometry,
+    pub n_pages: u32,
 }
 
 /// What one side tells the other to connect its queue pair.

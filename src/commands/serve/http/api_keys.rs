@@ -20,7 +20,9 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use kvsan_sanitizer::TenantId;
 
-use super::completions::MAX_CACHE_SALT_BYTES;
+/// Longest cache salt accepted (`cache_salt`, a keys file's third
+/// column), in bytes.
+pub(super) const MAX_CACHE_SALT_BYTES: usize = 1024;
 
 /// The tenant a key maps to.
 #[derive(Clone, PartialEq, Eq)]

@@ -20,7 +20,7 @@ use kvsan_engine::request::{CacheSalt, Event, Request};
 use kvsan_engine::sampler::SamplingParams;
 
 use super::answer::{Answer, Step};
-use super::api_keys::Tenant;
+use super::api_keys::{MAX_CACHE_SALT_BYTES, Tenant};
 use super::bridge::Generation;
 use super::error::ApiError;
 use super::openai::{self, Delta, Endpoint, GenerateBody, Reply, Stop};
@@ -30,10 +30,6 @@ use super::{Front, json_body, prompt, read_body, sse};
 /// Tokens a completion generates when `max_tokens` is not given (OpenAI's
 /// and vLLM's default for this endpoint).
 const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
-
-/// Longest cache salt accepted (`cache_salt`, a keys file's third
-/// column), in bytes.
-pub(super) const MAX_CACHE_SALT_BYTES: usize = 1024;
 
 /// `POST /v1/completions`.
 pub async fn completions(
