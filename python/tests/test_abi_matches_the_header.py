@@ -36,6 +36,8 @@ STRUCTS = {
     "KvsanRange": _abi.CRange,
     "KvsanPoolGeometry": _abi.PoolGeometry,
     "KvsanVerdict": _abi.CVerdict,
+    "KvsanManifest": _abi.Manifest,
+    "KvsanPageLanding": _abi.PageLanding,
 }
 
 
@@ -112,6 +114,8 @@ def test_event_and_role_codes_are_the_headers():
     for name, code in _abi.ROLES.items():
         assert int(defines[f"KVSAN_ROLE_{name.upper()}"]) == code, name
     assert len([d for d in defines if d.startswith("KVSAN_EVENT_")]) == len(_abi.EVENTS)
+    landing = re.search(r"#define KVSAN_POOL_REPORTS_LANDING (0x[0-9a-fA-F]+)u", HEADER.read_text())
+    assert int(landing.group(1), 16) == _abi.POOL_REPORTS_LANDING
 
 
 def test_the_python_abi_version_is_one_the_header_still_speaks():

@@ -72,6 +72,45 @@ def test_with_raise_on_violation_a_violation_raises(san):
     assert caught.value.verdict.kind == "foreign-read"
 
 
+def test_a_transfer_is_written_where_it_lands_and_committed_only_when_complete(san):
+    # Prefill ships 6 tokens; decode reserves two pages, and only the copies
+    # it reports land: a commit of what did not land is a short transfer.
+    pre = san.register_pool(pages=4, page_slots=SLOTS, layers=LAYERS, role="prefill", node="pytest-p")
+    dec = san.register_pool(
+        pages=4, page_slots=SLOTS, layers=LAYERS, role="decode", node="pytest-d", reports_landing=True
+    )
+    for short in (False, True):
+        req = owner()
+        for event in ("queued", "admitted"):
+            assert san.request_event(req, event, pre).ok and san.request_event(req, event, dec).ok
+        src = [pre.alloc(req, 0), pre.alloc(req, 1)]
+        assert pre.write(req, src[0], range(0, SLOTS)).ok and pre.write(req, src[1], range(0, 2)).ok
+        assert pre.transfer_send(req, src, 0, 6).ok
+        dst = [dec.alloc(req, 2), dec.alloc(req, 3)]
+        assert dec.transfer_recv(req, dst, 0, 6).ok
+        assert dec.transfer_land(req, dst[0], 0, range(0, SLOTS)).ok
+        if not short:
+            assert dec.transfer_land(req, dst[1], SLOTS, range(0, 2)).ok
+        v = dec.transfer_commit(req, dst, 6)
+        assert v.ok is not short and (v.kind == "short-transfer") is short
+        for page in dst:
+            dec.free(req, page)
+        for page in src:
+            pre.free(req, page)
+    # A copy into a page the request holds but did not reserve is refused
+    # before it writes; sending slots prefill never wrote is refused too.
+    req, other = owner(), owner()
+    running(san, req, other)
+    mine, theirs = dec.alloc(req, 0), dec.alloc(other, 1)
+    assert dec.transfer_recv(req, [mine], 0, 2).ok
+    assert dec.transfer_land(req, theirs, 0, range(0, 2)).kind == "misdirected-transfer"
+    assert dec.transfer_verify(req, mine, 0, range(0, 2), 7, 8).kind == "transfer-digest-mismatch"
+    assert dec.transfer_verify(req, mine, 0, range(0, 2), 7, 7).ok
+    assert dec.transfer_commit(req, [mine], 2).ok
+    unwritten = pre.alloc(req, 3)
+    assert pre.transfer_send(req, [unwritten], 0, 1).kind == "unwritten-transfer"
+
+
 def test_a_call_the_library_refuses_raises_naming_the_limit(san):
     p = pool(san)
     a = owner()

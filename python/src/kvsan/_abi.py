@@ -19,7 +19,7 @@ from ctypes import (
 from pathlib import Path
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 3
+ABI_VERSION_MINOR = 5
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 # KVSAN_PREFIX_CACHE_REQUEST: the request id of the prefix cache as a page
 # holder (share to register a page, free to evict it); never a request's.
@@ -30,6 +30,9 @@ VERDICT_CONTINUE = 0
 VERDICT_ABORT = 1
 
 ROLES = {"unified": 0, "prefill": 1, "decode": 2}
+# OR'd into a pool's role (since ABI 1.5): the engine reports where received
+# KV lands (transfer_land, transfer_verify); transfer_recv only reserves.
+POOL_REPORTS_LANDING = 0x100
 EVENTS = {
     "queued": 0,
     "admitted": 1,
@@ -85,6 +88,39 @@ class PoolGeometry(Structure):
         ("bytes_per_slot", c_uint64),
         ("node", c_char_p),
         ("node_len", c_size_t),
+    ]
+
+
+class Manifest(Structure):
+    """What a KV transfer claims to carry (block tables from token 0)."""
+
+    _fields_ = [
+        ("request", Owner),
+        ("src_pool", c_uint32),
+        ("dst_pool", c_uint32),
+        ("src_pages", POINTER(PageRef)),
+        ("src_len", c_size_t),
+        ("dst_pages", POINTER(PageRef)),
+        ("dst_len", c_size_t),
+        ("first_token", c_uint32),
+        ("tokens", c_uint32),
+        ("layers", CRange),
+        ("checksum", c_uint64),
+    ]
+
+
+class PageLanding(Structure):
+    """One destination page of a transfer: which tokens land in which slots
+    (since ABI 1.5)."""
+
+    _fields_ = [
+        ("request", Owner),
+        ("page", PageRef),
+        ("first_token", c_uint64),
+        ("slots", CRange),
+        ("layers", CRange),
+        ("sent_digest", c_uint64),
+        ("landed_digest", c_uint64),
     ]
 
 
@@ -168,6 +204,12 @@ SIGNATURES = {
         c_int32,
         [c_uint32, c_int32, POINTER(Owner), c_size_t, c_uint64, c_uint64, c_size_t, CRange, c_uint64, _V],
     ),
+    # Transfers between a prefill and a decode node (land and verify since 1.5).
+    "kvsan_transfer_send": (c_int32, [c_uint32, POINTER(Manifest), c_size_t, _V]),
+    "kvsan_transfer_recv": (c_int32, [c_uint32, POINTER(Manifest), c_size_t, _V]),
+    "kvsan_transfer_land": (c_int32, [c_uint32, POINTER(PageLanding), c_size_t, _V]),
+    "kvsan_transfer_verify": (c_int32, [c_uint32, POINTER(PageLanding), c_size_t, _V]),
+    "kvsan_transfer_commit": (c_int32, [c_uint32, Owner, POINTER(PageRef), c_size_t, c_uint64, _V]),
     "kvsan_violation_count": (c_int32, [POINTER(c_uint64)]),
     "kvsan_violation_count_of": (c_int32, [c_uint32, POINTER(c_uint64)]),
     "kvsan_check_count": (c_int32, [POINTER(c_uint64)]),

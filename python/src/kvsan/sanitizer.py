@@ -115,12 +115,18 @@ class Sanitizer:
         bytes_per_slot: int = 0,
         role: str = "unified",
         node: str = "python",
+        reports_landing: bool = False,
     ) -> "Pool":
-        """Registers a KV page pool and returns it."""
+        """Registers a KV page pool and returns it. ``reports_landing``: the
+        engine reports where received KV lands (:meth:`Pool.transfer_land`,
+        :meth:`Pool.transfer_verify`), so :meth:`Pool.transfer_recv` only
+        reserves the destination pages; without it a receive marks the
+        manifest's slots written."""
         if role not in _abi.ROLES:
             raise ValueError(f"role {role!r}: one of {', '.join(_abi.ROLES)}")
         name = node.encode()
-        g = _abi.PoolGeometry(pages, page_slots, layers, _abi.ROLES[role], bytes_per_slot, name, len(name))
+        code = _abi.ROLES[role] | (_abi.POOL_REPORTS_LANDING if reports_landing else 0)
+        g = _abi.PoolGeometry(pages, page_slots, layers, code, bytes_per_slot, name, len(name))
         pool = c_uint32()
         self._check(
             "kvsan_pool_register",
@@ -236,6 +242,104 @@ class Pool:
         return self.san._call(
             "kvsan_read", self.id, owner, refs, len(table), tokens, _range(layers, self.layers), step
         )
+
+    # ---- transfers between a prefill and a decode node ----------------------
+
+    def _manifest(
+        self,
+        owner: Owner,
+        pages: Sequence[PageRef],
+        first_token: int,
+        tokens: int,
+        layers: range | tuple[int, int] | None,
+        sending: bool,
+    ) -> _abi.Manifest:
+        refs = (PageRef * len(pages))(*pages)
+        m = _abi.Manifest(request=owner, first_token=first_token, tokens=tokens)
+        m.layers = _range(layers, self.layers)
+        if sending:
+            m.src_pool, m.src_pages, m.src_len = self.id, refs, len(pages)
+        else:
+            m.dst_pool, m.dst_pages, m.dst_len = self.id, refs, len(pages)
+        m._keep = refs  # the array lives as long as the manifest
+        return m
+
+    def transfer_send(
+        self,
+        owner: Owner,
+        table: Sequence[PageRef],
+        first_token: int,
+        tokens: int,
+        layers: range | tuple[int, int] | None = None,
+    ) -> Verdict:
+        """This (prefill) pool ships tokens ``first_token ..
+        first_token + tokens`` of ``owner``, held at those positions of
+        ``table`` (a block table from token 0): each must be written."""
+        m = self._manifest(owner, table, first_token, tokens, layers, True)
+        return self.san._call("kvsan_transfer_send", self.id, byref(m), ctypes.sizeof(m))
+
+    def transfer_recv(
+        self,
+        owner: Owner,
+        table: Sequence[PageRef],
+        first_token: int,
+        tokens: int,
+        layers: range | tuple[int, int] | None = None,
+    ) -> Verdict:
+        """A transfer of those tokens of ``owner`` is to land in this
+        (decode) pool at those positions of ``table``: the pages must be
+        ``owner``'s; they are reserved for it."""
+        m = self._manifest(owner, table, first_token, tokens, layers, False)
+        return self.san._call("kvsan_transfer_recv", self.id, byref(m), ctypes.sizeof(m))
+
+    def _landing(
+        self,
+        owner: Owner,
+        page: PageRef,
+        first_token: int,
+        slots: range | tuple[int, int],
+        layers: range | tuple[int, int] | None,
+        digests: tuple[int, int],
+    ) -> _abi.PageLanding:
+        return _abi.PageLanding(
+            owner, page, first_token, _range(slots, 0), _range(layers, self.layers), *digests
+        )
+
+    def transfer_land(
+        self,
+        owner: Owner,
+        page: PageRef,
+        first_token: int,
+        slots: range | tuple[int, int],
+        layers: range | tuple[int, int] | None = None,
+    ) -> Verdict:
+        """A copy is about to write received tokens ``first_token ..`` of
+        ``owner`` into ``slots`` of ``page``: only if this passes may it
+        write, and then those slots count as written."""
+        landing = self._landing(owner, page, first_token, slots, layers, (0, 0))
+        return self.san._call("kvsan_transfer_land", self.id, byref(landing), ctypes.sizeof(landing))
+
+    def transfer_verify(
+        self,
+        owner: Owner,
+        page: PageRef,
+        first_token: int,
+        slots: range | tuple[int, int],
+        sent_digest: int,
+        landed_digest: int,
+        layers: range | tuple[int, int] | None = None,
+    ) -> Verdict:
+        """Received KV is in ``slots`` of ``page``: the receiver's digest of
+        what they hold must equal the sender's digest of those tokens; a
+        match marks them written (a landing no copy showed)."""
+        landing = self._landing(owner, page, first_token, slots, layers, (sent_digest, landed_digest))
+        return self.san._call("kvsan_transfer_verify", self.id, byref(landing), ctypes.sizeof(landing))
+
+    def transfer_commit(self, owner: Owner, table: Sequence[PageRef], committed_tokens: int) -> Verdict:
+        """Decode starts using the first ``committed_tokens`` positions of
+        ``table``: every one must have been written (``short-transfer``)."""
+        refs = (PageRef * len(table))(*table)
+        return self.san._call("kvsan_transfer_commit", self.id, owner, refs, len(table), committed_tokens)
 
     # ---- batch checks over the kernels' own buffers ---------------------------
 
