@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from .sanitizer import Pool, Sanitizer, Verdict
 
-__all__ = ["Finding", "Hooks", "subclasses"]
+__all__ = ["Finding", "Hooks", "host_array", "subclasses"]
 
 # kvsan keeps at most 256 pools and has no unregister: past this many, the
 # pools of engine objects that are gone are found and reused first.
@@ -40,6 +40,9 @@ class Hooks:
     #: The engine's name and the version the adapter follows, for errors.
     engine = ""
     follows = ""
+    #: The engine reports where received KV lands (a disaggregated path is
+    #: checked): its pools are registered so that a receive only reserves.
+    reports_landing = False
 
     def __init__(self, san: Sanitizer) -> None:
         self.san = san
@@ -116,7 +119,9 @@ class Hooks:
                 gc.collect()
                 self._bury()
         capacity = 1 << max(0, (pages - 1).bit_length())
-        pool = self.san.register_pool(capacity, page_slots, 1, node=self.engine)
+        pool = self.san.register_pool(
+            capacity, page_slots, 1, node=self.engine, reports_landing=self.reports_landing
+        )
         self._registered += 1
         return pool, capacity
 
@@ -174,3 +179,15 @@ def subclasses(cls: type) -> list[type]:
         out.append(c)
         todo.extend(c.__subclasses__())
     return out
+
+
+def host_array(t: Any) -> Any:
+    """A host copy (numpy) of a torch tensor, or the array itself."""
+    import numpy as np
+
+    if hasattr(t, "detach"):
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return t.numpy()
+    return np.asarray(t)

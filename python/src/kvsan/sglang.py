@@ -42,8 +42,17 @@ page the allocator never handed out, or took back, a ``read-free-page``.
 
 Allocators of other kinds (SWA, Mamba, HiSparse, page-interleaved, unified
 pools) are left alone and counted in :attr:`Adapter.unchecked_pools`.
-Violations are kept in :attr:`Adapter.violations`; SGLang's own behaviour is
-never changed.
+Violations are kept in :attr:`Adapter.violations`.
+
+On SGLang's disaggregated path (releases :data:`RELEASES`; see
+:mod:`kvsan._sglang_pd`) a request is followed through the prefill
+bootstrap queue, its KV sender, the decode preallocation and transfer
+queues and the commit of its transfer; a transfer backend's copies are
+checked through :meth:`Adapter.land` or :meth:`Adapter.checked_copy`.
+SGLang's behaviour is never changed, except with ``abort=True``: then a
+request a violation was found in on that path is aborted as the
+disaggregation queues abort one (``prepare_abort``), with a message naming
+the violation.
 """
 
 from __future__ import annotations
@@ -56,10 +65,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ._abi import Owner, PageRef
-from ._hooks import Finding, Hooks, subclasses
+from ._hooks import Finding, Hooks, host_array as _numpy, subclasses
+from ._sglang_pd import RELEASES, DisaggregatedPath, kv_digest
 from .sanitizer import Pool, Sanitizer, attach as attach_sanitizer
 
-__all__ = ["Adapter", "Finding", "attach"]
+__all__ = ["Adapter", "Finding", "RELEASES", "attach", "kv_digest"]
 
 # The allocator as a page holder: it holds a page from handing it out until
 # a row points at it.
@@ -109,13 +119,15 @@ class _Row:
             self.pos = np.concatenate([self.pos, more])
 
 
-class Adapter(Hooks):
-    """kvsan attached to SGLang's KV memory (see the module's doc)."""
+class Adapter(DisaggregatedPath, Hooks):
+    """kvsan attached to SGLang's KV memory (see the module's doc, and
+    :mod:`kvsan._sglang_pd` for the disaggregated path)."""
 
     engine = "sglang"
     follows = "SGLang 0.5.23's memory pools"
+    reports_landing = True
 
-    def __init__(self, san: Sanitizer) -> None:
+    def __init__(self, san: Sanitizer, abort: bool = False, disaggregation: bool | None = None) -> None:
         super().__init__(san)
         self._lock = threading.RLock()
         self._pools: weakref.WeakKeyDictionary[Any, _PoolState] = weakref.WeakKeyDictionary()
@@ -126,6 +138,9 @@ class Adapter(Hooks):
         self._next = 1
         self._last_allocator: Any = None
         self._unmodelled: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._kv_states: weakref.WeakKeyDictionary[Any, _PoolState] = weakref.WeakKeyDictionary()
+        self._pd_mode = disaggregation
+        self._init_pd(abort)
         #: SGLang allocators checked, and those left unchecked by the reason.
         self.checked_pools = 0
         self.unchecked_pools: dict[str, int] = {}
@@ -165,6 +180,7 @@ class Adapter(Hooks):
         from sglang.srt.model_executor import forward_batch_info as fbi
 
         self._wrap(fbi.ForwardBatch, "init_new", self._on_forward_new)
+        self._attach_pd(self._pd_mode)
         return self
 
     def pair(self, req_to_token_pool: Any, allocator: Any) -> None:
@@ -192,10 +208,17 @@ class Adapter(Hooks):
         pool, capacity = self._kvsan_pool(pages, page_size)
         st = _PoolState(pool, capacity, page_size)
         self._pools[allocator] = st
+        kv = getattr(allocator, "_kvcache", None)
+        if kv is not None:
+            self._kv_states[kv] = st
         self._last_allocator = weakref.ref(allocator)
         self.checked_pools += 1
         self._watch(allocator, st)
         return st
+
+    def _kv_state(self, kv_pool: Any) -> _PoolState | None:
+        """The pool state of the allocator over the KV cache ``kv_pool``."""
+        return self._kv_states.get(kv_pool)
 
     def _leave(self, allocator: Any, reason: str) -> None:
         if allocator not in self._unmodelled:
@@ -309,7 +332,15 @@ class Adapter(Hooks):
             t = self._rows[rtp] = {}
         return t
 
-    def _new_row(self, rtp: Any, row: int) -> _Row:
+    def _new_row(self, rtp: Any, row: int, owner: int | None = None) -> _Row:
+        """Row ``row`` taken: by request ``owner`` (a request the
+        disaggregation doors follow), else by an owner of its own."""
+        if owner is None and self._binding:
+            owner = self._binding.pop(0)
+        if owner is not None:
+            r = _Row(owner, self._names.get(owner, f"#{owner}"))
+            self._row_table(rtp)[row] = r
+            return r
         n = self._next
         self._next += 1
         r = _Row(n, f"row {row}#{n}")
@@ -362,7 +393,8 @@ class Adapter(Hooks):
             for p in list(r.counts):
                 self._unpoint(st, r, p)
         r.counts.clear()
-        self._names.pop(r.n, None)
+        if r.n not in self._reqs:
+            self._names.pop(r.n, None)
 
     def _on_row_write(self, original: Callable[..., Any], rtp: Any, indices: Any, values: Any) -> Any:
         out = original(rtp, indices, values)
@@ -532,16 +564,6 @@ class Adapter(Hooks):
         self.unchecked_forwards[reason] = self.unchecked_forwards.get(reason, 0) + 1
 
 
-def _numpy(t: Any) -> np.ndarray:
-    """A host copy of a torch tensor, or the array itself."""
-    if hasattr(t, "detach"):
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        return t.numpy()
-    return np.asarray(t)
-
-
 def _numel(t: Any) -> int:
     return int(t.numel()) if hasattr(t, "numel") else len(t)
 
@@ -561,8 +583,13 @@ def _positions(indices: Any, width: int) -> list[tuple[int, np.ndarray]]:
     return [(int(row), cols[rows == row]) for row in np.unique(rows)]
 
 
-def attach(san: Sanitizer | None = None) -> Adapter:
+def attach(san: Sanitizer | None = None, abort: bool = False, disaggregation: bool | None = None) -> Adapter:
     """kvsan attached to SGLang in this process (the shim as
     :func:`kvsan.attach` finds it). Detach with :meth:`Adapter.detach`, or
-    use the adapter as a context manager."""
-    return Adapter(san or attach_sanitizer()).attach()
+    use the adapter as a context manager. ``abort``: abort a request a
+    violation was found in on the disaggregated path. ``disaggregation``:
+    None wraps the disaggregated path on the releases the adapter follows
+    (:data:`RELEASES`) and says why not on others
+    (:attr:`Adapter.disaggregation`); True refuses another release with
+    an error naming it; False leaves the path alone."""
+    return Adapter(san or attach_sanitizer(), abort=abort, disaggregation=disaggregation).attach()
