@@ -156,7 +156,7 @@ fn a_server_that_stops_answering_stops_the_audit_with_exit_status_2() {
 #[test]
 fn a_server_without_a_fault_is_clean() {
     let server = chunked_server("audit-clean", "unified", &[]);
-    let (code, report, stderr) = audit_json_sized(&server.listen(), "300", "3", &[]);
+    let (code, report, stderr) = audit_json_sized(&server.listen(), "400", "3", &[]);
     assert_eq!(code, Some(0), "{report:#}\n{stderr}");
     assert!(rules(&report).is_empty(), "{report:#}");
     assert_eq!(
@@ -190,7 +190,19 @@ fn a_server_without_a_fault_is_clean() {
             .starts_with("no cache detected"),
         "{report:#}"
     );
-    assert!(report["requests_sent"].as_u64().unwrap() <= 300);
+    assert!(report["requests_sent"].as_u64().unwrap() <= 400);
+    // The length sweep and the coherence probe covered the context.
+    assert_eq!(
+        report["length_sweep"].as_array().unwrap().len(),
+        8,
+        "{report:#}"
+    );
+    let coherence = report["coherence"].as_array().unwrap();
+    assert!(coherence.len() >= 6, "{report:#}");
+    assert!(
+        coherence.iter().all(|p| p["continued"] == true),
+        "{report:#}"
+    );
 }
 
 /// The incident behind HTTP: a disaggregated server whose prompts over the
@@ -239,7 +251,7 @@ fn the_incidents_fault_is_found_and_written_as_sarif() {
     let sarif: Value = serde_json::from_str(&std::fs::read_to_string(&sarif).unwrap()).unwrap();
     assert_eq!(sarif["version"], "2.1.0");
     let run = &sarif["runs"][0];
-    assert_eq!(run["tool"]["driver"]["rules"].as_array().unwrap().len(), 5);
+    assert_eq!(run["tool"]["driver"]["rules"].as_array().unwrap().len(), 6);
     let result = run["results"]
         .as_array()
         .unwrap()
@@ -248,6 +260,75 @@ fn the_incidents_fault_is_found_and_written_as_sarif() {
         .expect("the finding is a SARIF result");
     assert_eq!(result["properties"]["evidence"]["limit"], 128, "{result}");
     assert_eq!(result["level"], "error");
+}
+
+/// The incident's configuration found without being told the pool size: a
+/// disaggregated server whose prefill pool holds half the context. With
+/// `reject-as-placeholder` it serves prompts between the pool and the
+/// context without computing them; the default audit (no `--pool-limit`)
+/// finds the band by coherence at length and exits 1. Without the fault
+/// those prompts are refused, and the same audit exits 0.
+#[cfg(feature = "faults")]
+#[test]
+fn a_pool_smaller_than_the_context_is_found_without_being_told() {
+    for fault in [true, false] {
+        let keys = keys_file(if fault { "band-fault" } else { "band-clean" });
+        let mut args = vec![
+            "--context",
+            "256",
+            "--prefill-pool-tokens",
+            "128",
+            "--allow-pool-smaller-than-context",
+            "--api-keys",
+            &keys,
+        ];
+        if fault {
+            args.extend(["--inject", "reject-as-placeholder"]);
+        }
+        let server = Server::http(
+            if fault {
+                "audit-band-fault"
+            } else {
+                "audit-band-clean"
+            },
+            "disagg",
+            &args,
+            &[],
+        );
+        let (code, report, stderr) = audit_json_sized(&server.listen(), "450", "3", &[]);
+        let coherence = report["coherence"].as_array().unwrap();
+        if !fault {
+            assert_eq!(code, Some(0), "{report:#}\n{stderr}");
+            assert!(rules(&report).is_empty(), "{report:#}");
+            // Prompts over the pool are refused, the others continued.
+            assert!(
+                coherence
+                    .iter()
+                    .all(|p| p["continued"] == true || p["status"] == 400),
+                "{report:#}"
+            );
+            continue;
+        }
+        assert_eq!(code, Some(1), "{report:#}\n{stderr}");
+        let band = report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["rule"] == "long-prompt-not-computed")
+            .unwrap_or_else(|| panic!("no long-prompt-not-computed finding: {report:#}"));
+        let [low, high] = [0, 1].map(|i| band["evidence"]["band_tokens"][i].as_u64().unwrap());
+        assert!(
+            low > 128 && high < 256,
+            "the band lies between the pool and the context: {band}"
+        );
+        assert!(
+            coherence
+                .iter()
+                .filter(|p| p["prompt_tokens"].as_u64().is_some_and(|t| t <= 128))
+                .all(|p| p["continued"] == true),
+            "prompts the pool holds are computed: {report:#}"
+        );
+    }
 }
 
 /// The audit's timing phase against kvsan's own prefix cache, `samples`
@@ -319,7 +400,7 @@ fn kv_fault_is_found(name: &'static str, role: &str, fault: &str, serve: &[&str]
     let server = chunked_server(name, role, &args);
     let (code, report, stderr) = audit_json_sized(
         &server.listen(),
-        "300",
+        "360",
         "1",
         &["--phases", "noninterference", "--timeout", "30"],
     );

@@ -4,8 +4,12 @@
 //! ```text
 //!  discover   GET /v1/models: the model, its context (max_model_len)
 //!  1 determinism      identical greedy requests, sequential and concurrent
-//!  2 noninterference  victim prompts with made-up canaries (short, long,
-//!                     near the limit), then probes from the other key
+//!  2 noninterference  a length sweep: probes at lengths from a page to
+//!                     just under the context, each after victims with
+//!                     canaries (a band of lengths whose answers depend on
+//!                     them is a finding); victim prompts with made-up
+//!                     canaries (short, long, near the limit), then probes
+//!                     from the other key
 //!                     (short, long, a long answer, oversize), three times
 //!                     with only the canary changed; then a loaded
 //!                     server's patterns: victims and probes in flight
@@ -28,6 +32,7 @@ mod client;
 mod ks;
 mod probes;
 mod report;
+mod sweep;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -64,7 +69,7 @@ pub struct Args {
     #[arg(long, value_name = "TOKENS")]
     pub pool_limit: Option<usize>,
     /// Requests the audit may send at most.
-    #[arg(long, value_name = "REQUESTS", default_value_t = 350)]
+    #[arg(long, value_name = "REQUESTS", default_value_t = 450)]
     pub budget: usize,
     /// Identical requests sent at once in the determinism phase.
     #[arg(long, default_value_t = 3)]

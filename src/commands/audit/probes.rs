@@ -25,15 +25,19 @@ pub enum Rule {
     LimitNotClean,
     /// One key's prompt sped up another key's first token.
     CrossKeyPrefixCache,
+    /// A long prompt the server accepted was answered as if it had not
+    /// been computed (its own pattern not continued).
+    LongPromptNotComputed,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 5] = [
+    pub const ALL: [Rule; 6] = [
         Rule::OutputDependsOnOtherRequest,
         Rule::CanaryQuoted,
         Rule::OversizePromptServed,
         Rule::LimitNotClean,
         Rule::CrossKeyPrefixCache,
+        Rule::LongPromptNotComputed,
     ];
 
     pub fn id(self) -> &'static str {
@@ -43,6 +47,7 @@ impl Rule {
             Rule::OversizePromptServed => "oversize-prompt-served",
             Rule::LimitNotClean => "limit-not-clean",
             Rule::CrossKeyPrefixCache => "cross-key-prefix-cache",
+            Rule::LongPromptNotComputed => "long-prompt-not-computed",
         }
     }
 
@@ -62,6 +67,9 @@ impl Rule {
             }
             Rule::CrossKeyPrefixCache => {
                 "a prefix sent with one API key sped up the first token of the same prefix sent with another key: the prefix cache is shared across keys"
+            }
+            Rule::LongPromptNotComputed => {
+                "a long prompt the server accepted was answered as if it had not been computed: the pattern it repeats, continued at a short length, was not continued"
             }
         }
     }
@@ -145,6 +153,11 @@ pub struct Timing {
 pub struct Found {
     pub determinism: Determinism,
     pub noninterference_pairs: usize,
+    /// The noninterference phase's length sweep, by probe length.
+    pub length_sweep: Vec<super::sweep::SweepPoint>,
+    /// Coherence at length: whether a prompt repeating one sentence was
+    /// answered with the sentence, by length.
+    pub coherence: Vec<super::sweep::CoherencePoint>,
     pub limits: Vec<LimitProbe>,
     pub timing: Vec<Timing>,
     pub findings: Vec<Finding>,
@@ -208,7 +221,7 @@ pub fn filler(n: usize) -> String {
 /// at nearly every position) while its length in tokens does not
 /// (tokenizers that split text into words first count a word alike
 /// wherever it stands).
-fn victim_prompt(canary: &str, tokens: usize) -> String {
+pub(super) fn victim_prompt(canary: &str, tokens: usize) -> String {
     let mut rng = ChaCha8Rng::seed_from_u64(canary.parse().unwrap_or(0));
     // The code sentences are about 12 tokens each; a word is about 1.4
     // (measured with a Llama-3-style BPE) — so the prompt stays under
@@ -224,7 +237,7 @@ fn victim_prompt(canary: &str, tokens: usize) -> String {
     )
 }
 
-fn hash(text: &str) -> String {
+pub(super) fn hash(text: &str) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()))
 }
 
@@ -288,7 +301,7 @@ pub async fn determinism(
 
 /// Victims per probe and shape, each with its own canary: a leak that
 /// maps two canaries to one output still shows among three.
-const CANARIES: usize = 3;
+pub(super) const CANARIES: usize = 3;
 
 /// A fixed request of the probe's key, whose greedy output must not change
 /// with anything another request sends.
@@ -299,7 +312,7 @@ struct Probe {
 }
 
 /// About `tokens` tokens of made-up words (a word is about 1.4 tokens).
-fn words_for(texts: &mut Texts, tokens: usize) -> String {
+pub(super) fn words_for(texts: &mut Texts, tokens: usize) -> String {
     texts.words((tokens * 10 / 14).max(4))
 }
 
@@ -355,6 +368,10 @@ pub async fn noninterference(
         ("long victim", hold * 3 / 5),
         ("near-limit victim", hold * 9 / 10),
     ];
+    // Every length the server may accept, first: a prompt served but not
+    // computed (a pool smaller than the context) shows only between them.
+    super::sweep::coherence(client, keys.probe, ctx, found).await?;
+    super::sweep::length_sweep(client, keys, texts, ctx, found).await?;
     // Victims and probes one at a time.
     let deterministic = found.determinism.deterministic_one_at_a_time;
     for probe in &probes {
@@ -933,6 +950,31 @@ async fn after<F: std::future::Future>(ms: u64, request: F) -> F::Output {
     request.await
 }
 
+/// The canary (of those of `outs`) an output of `outs` quotes (or the
+/// first half of), with that answer's status.
+pub(super) fn quote_in(outs: &[(String, Completion)]) -> Option<(&String, u16)> {
+    outs.iter().find_map(|(_, o)| {
+        outs.iter()
+            .map(|(c, _)| c)
+            .find(|c| o.text.contains(&c[..8]))
+            .map(|c| (c, o.status))
+    })
+}
+
+/// Whether the probe's outputs in `outs` (each after a victim with its
+/// canary), all served, differ: compared only where `compare`.
+pub(super) fn outputs_differ(outs: &[(String, Completion)], compare: bool) -> bool {
+    let mut distinct: Vec<&str> = outs
+        .iter()
+        .filter(|(_, o)| o.served_text())
+        .map(|(_, o)| o.text.as_str())
+        .collect();
+    let all_served = distinct.len() == outs.len();
+    distinct.sort_unstable();
+    distinct.dedup();
+    compare && all_served && distinct.len() > 1
+}
+
 /// A finding when a probe output quotes a canary (or its first half) of
 /// the requests before or beside it; whether one did.
 fn quoted(
@@ -942,13 +984,7 @@ fn quoted(
     mode: &str,
     outs: &[(String, Completion)],
 ) -> bool {
-    let quoted = outs.iter().find_map(|(_, o)| {
-        outs.iter()
-            .map(|(c, _)| c)
-            .find(|c| o.text.contains(&c[..8]))
-            .map(|c| (c, o.status))
-    });
-    if let Some((canary, status)) = quoted {
+    if let Some((canary, status)) = quote_in(outs) {
         found.findings.push(Finding {
             rule: Rule::CanaryQuoted,
             message: format!(
@@ -973,15 +1009,8 @@ fn judge(
     if quoted(found, probe, shape, mode, outs) {
         return;
     }
-    let served: Vec<&Completion> = outs
-        .iter()
-        .map(|(_, o)| o)
-        .filter(|o| o.served_text())
-        .collect();
-    let mut distinct: Vec<&str> = served.iter().map(|o| o.text.as_str()).collect();
-    distinct.sort_unstable();
-    distinct.dedup();
-    if compare && served.len() == outs.len() && distinct.len() > 1 {
+    if outputs_differ(outs, compare) {
+        let served: Vec<&Completion> = outs.iter().map(|(_, o)| o).collect();
         found.findings.push(Finding {
             rule: Rule::OutputDependsOnOtherRequest,
             message: format!(
@@ -1214,7 +1243,7 @@ fn median(v: &[f64]) -> f64 {
 
 /// A request's answer, a spent budget (ends the phase), or a failed request
 /// (its error kept as a 599 answer: no status came back).
-fn ok_or_stop<T: Default + From<Failed>>(r: anyhow::Result<T>) -> Result<T, Stop> {
+pub(super) fn ok_or_stop<T: Default + From<Failed>>(r: anyhow::Result<T>) -> Result<T, Stop> {
     match r {
         Ok(v) => Ok(v),
         Err(e) => match e.downcast::<Stop>() {

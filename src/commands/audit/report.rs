@@ -70,6 +70,50 @@ impl Report {
                 "one key: cross-request only"
             }
         );
+        if !self.found.coherence.is_empty() {
+            let points: Vec<String> = self
+                .found
+                .coherence
+                .iter()
+                .map(|p| {
+                    let tokens = p
+                        .prompt_tokens
+                        .map_or_else(|| format!("~{}", p.target_tokens), |t| t.to_string());
+                    let how = if p.continued {
+                        "continued"
+                    } else if (200..300).contains(&p.status) {
+                        "NOT continued"
+                    } else {
+                        "refused"
+                    };
+                    format!("{tokens} {how}")
+                })
+                .collect();
+            let _ = writeln!(
+                t,
+                "  coherence at length (a repeated sentence): {}",
+                points.join(", ")
+            );
+        }
+        if !self.found.length_sweep.is_empty() {
+            let points: Vec<String> = self
+                .found
+                .length_sweep
+                .iter()
+                .map(|p| {
+                    let tokens = p
+                        .prompt_tokens
+                        .map_or_else(|| format!("~{}", p.target_tokens), |t| t.to_string());
+                    format!("{tokens} {}", p.outcome)
+                })
+                .collect();
+            let _ = writeln!(
+                t,
+                "  length sweep ({} lengths, probe tokens and outcome): {}",
+                points.len(),
+                points.join(", ")
+            );
+        }
         for l in &self.found.limits {
             let _ = writeln!(t, "  limit: {:<28} {}", l.name, l.outcome);
         }
