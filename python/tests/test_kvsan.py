@@ -285,3 +285,23 @@ def test_every_layout_gets_the_same_verdicts_on_the_gpu_as_on_the_host(san):
         [a, b], i32([0, 2, 3]), torch.tensor([6, -1, 3], dtype=torch.int64, device="cuda")
     )
     assert [v.kind for v in device] == host == [None, "foreign-write"]
+
+
+def test_the_self_test_option_starts_a_sanitizer_that_catches_every_kind(tmp_path):
+    # KVSAN_OPTIONS=self_test=1: the shim provokes each violation kind on
+    # scratch pools before it attaches; the real checks pass, so it attaches
+    # and the process's own counts stay at zero.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import kvsan; s = kvsan.attach(); "
+        "s.register_pool(pages=4, page_slots=4, layers=1); "
+        "print(s.attached, s.violation_count())"
+    )
+    env = dict(os.environ, KVSAN_OPTIONS="self_test=1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "0"], run.stdout + run.stderr
+    assert "ERROR" not in run.stderr, run.stderr

@@ -939,7 +939,8 @@ pub const fn status_of(error: &SanitizerError) -> AbiStatus {
         SanitizerError::UnknownOption { .. }
         | SanitizerError::BadOptionValue { .. }
         | SanitizerError::MalformedOption { .. }
-        | SanitizerError::LogFile { .. } => KVSAN_ERR_NOT_ATTACHED,
+        | SanitizerError::LogFile { .. }
+        | SanitizerError::SelfTest { .. } => KVSAN_ERR_NOT_ATTACHED,
     }
 }
 

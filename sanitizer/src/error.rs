@@ -115,6 +115,18 @@ pub enum SanitizerError {
         /// What the option accepts.
         allowed: String,
     },
+    /// `self_test=1` provoked a violation kind and did not get it back
+    /// (or a legal step of its scenario was refused): the checks are not
+    /// working, and the sanitizer refuses to start.
+    #[error(
+        "KVSAN_OPTIONS self_test=1: {kind} was provoked and not caught ({found}); refusing to start"
+    )]
+    SelfTest {
+        /// The kind provoked.
+        kind: &'static str,
+        /// What came back instead.
+        found: String,
+    },
     /// An options item without `=`.
     #[error("KVSAN_OPTIONS: `{item}` is not of the form key=value")]
     MalformedOption {

@@ -42,6 +42,7 @@ pub mod options;
 mod pool;
 pub mod report;
 mod sanitizer;
+pub mod self_test;
 pub mod shadow;
 pub mod stats;
 #[doc(hidden)]

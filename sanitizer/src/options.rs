@@ -230,6 +230,8 @@ declare_options! {
         "Recent violations kept in memory for Sanitizer::violations (oldest dropped first).";
     prefix_share: SharePolicy = SharePolicy::Tenant,
         "Which requests the prefix cache may share a page with: `off` none, `tenant` the writer's tenant with the writer's cache salt (unsalted with unsalted), `salt` requests that declared the writer's cache salt (unsalted ones share among themselves), `global` any.";
+    self_test: bool = false,
+        "At start, provoke one violation of each kind the sanitizer checks on scratch pools of a private sanitizer with these options, and refuse to start (naming the kind) if one is not caught.";
     ended_requests: u32 = 65_536,
         "Ended requests remembered (their final states), so activity after a request's end is still caught; older ones are forgotten and the sanitizer's memory does not grow with the requests served.";
 }

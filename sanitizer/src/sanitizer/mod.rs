@@ -94,9 +94,17 @@ fn check_range(
 impl Sanitizer {
     /// A sanitizer writing reports to stderr, or to `<log_path>.<pid>`.
     ///
+    /// With `self_test=1`, first proves that every check it makes fires
+    /// ([`crate::self_test`]).
+    ///
     /// # Errors
-    /// [`SanitizerError::LogFile`] if the log file cannot be opened.
+    /// [`SanitizerError::LogFile`] if the log file cannot be opened;
+    /// [`SanitizerError::SelfTest`] if the self-test found a check that
+    /// does not fire.
     pub fn new(options: Options) -> Result<Sanitizer, SanitizerError> {
+        if options.self_test {
+            crate::self_test::run(&options)?;
+        }
         let sink = if options.log_path.is_empty() {
             Sink::Stderr
         } else {
