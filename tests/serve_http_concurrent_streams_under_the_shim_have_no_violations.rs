@@ -77,7 +77,7 @@ fn concurrent_streams_under_the_shim_end_cleanly_with_zero_violations() {
     let server = Server::http(
         "serve-http-load",
         "disagg",
-        &["--synthetic"],
+        &["--synthetic", "--checker-stall-secs", "1"],
         &[("LD_PRELOAD", shim.as_os_str())],
     );
     let addr = server.listen();
@@ -109,6 +109,22 @@ fn concurrent_streams_under_the_shim_end_cleanly_with_zero_violations() {
         1.0
     );
     assert!(m.value("kvsan:checks_total", &[]) > 0.0);
+    // The watchdog saw the checks move with the steps: healthy.
+    assert_eq!(m.value("kvsan:checker_stalled", &[]), 0.0);
+    let health = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "30",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .arg(format!("http://{addr}/health"))
+        .output()
+        .expect("run curl");
+    assert_eq!(String::from_utf8_lossy(&health.stdout), "200");
     for kind in kvsan_sanitizer::ViolationKind::ALL {
         assert_eq!(
             m.value("kvsan:violations_total", &[("kind", kind.name())]),

@@ -155,6 +155,11 @@ pub struct Args {
     /// (with `Retry-After`) at once, never queued.
     #[arg(long, default_value_t = 256)]
     pub max_clients: usize,
+    /// With a sanitizer attached, `/health` answers 503 (and
+    /// `kvsan:checker_stalled` is 1) once forward steps ran and the
+    /// sanitizer's check count has not moved for this many seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub checker_stall_secs: u64,
 }
 
 /// Runs the command: serves until the process is stopped (or, for the
@@ -214,6 +219,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         cfg.hooks.clone(),
         tenants,
         args.max_clients,
+        std::time::Duration::from_secs(args.checker_stall_secs),
     );
     run_front(args, front, &engine, peers, &model_id, link_opts)
 }

@@ -10,7 +10,8 @@
 //!  vllm:inter_token_latency_seconds              kvsan:free_pages{node}, kvsan:quarantined_pages{node}
 //!  vllm:e2e_request_latency_seconds              kvsan:kv_transfers_total{node}, kvsan:pages_allocated_total{node}, kvsan:steps_total{node}
 //!  vllm:request_success_total{finished_reason}   kvsan:anomalies_total{kind}
-//!  kvsan:rejections_total{limit,node}            kvsan:violations_total{kind}, kvsan:checks_total
+//!  kvsan:rejections_total{limit,node}            kvsan:violations_total{kind}, kvsan:checks_total,
+//!                                                kvsan:checker_stalled
 //!                                                kvsan:sanitizer_attached{target}
 //!                                                vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total
 //!                                                kvsan:cached_pages{node}
@@ -32,7 +33,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvsan_engine::anomaly::AnomalyKind;
 use kvsan_engine::engine::Engine;
@@ -47,6 +48,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use super::watchdog::Watchdog;
 
 /// The media type of the answer.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -73,6 +76,8 @@ type Labels = Vec<(&'static str, String)>;
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// What `/health` asks: whether the sanitizer still checks.
+    checker: Checker,
     prompt_tokens: Counter,
     generation_tokens: Counter,
     ttft: Histogram,
@@ -91,7 +96,13 @@ impl Metrics {
         front_node: &'static str,
         hooks: Hooks,
         model_name: &str,
+        checker_stall: Duration,
     ) -> Metrics {
+        let checker = Checker {
+            engine: engine.clone(),
+            hooks: hooks.clone(),
+            watchdog: Arc::new(Watchdog::new(checker_stall)),
+        };
         let mut registry = Registry::with_labels(std::iter::once((
             "model_name".into(),
             model_name.to_string().into(),
@@ -105,6 +116,7 @@ impl Metrics {
             finished: Family::default(),
             rejections: Family::default(),
             registry: Registry::default(),
+            checker: checker.clone(),
         };
         registry.register(
             "vllm:prompt_tokens",
@@ -145,8 +157,15 @@ impl Metrics {
             engine,
             front_node,
             hooks,
+            checker,
         }));
         Metrics { registry, ..m }
+    }
+
+    /// Why the sanitizer is not checking (steps ran and its check count
+    /// stood still past `--checker-stall-secs`), if it is not.
+    pub fn checker_stalled(&self) -> Option<String> {
+        self.checker.stalled()
     }
 
     /// The metrics as OpenMetrics text.
@@ -256,6 +275,32 @@ struct Live {
     engine: Arc<Engine>,
     front_node: &'static str,
     hooks: Hooks,
+    checker: Checker,
+}
+
+/// The engine's steps and the sanitizer's checks, under a watchdog.
+#[derive(Clone)]
+struct Checker {
+    engine: Arc<Engine>,
+    hooks: Hooks,
+    watchdog: Arc<Watchdog>,
+}
+
+impl fmt::Debug for Checker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Checker")
+            .field("watchdog", &self.watchdog)
+            .finish()
+    }
+}
+
+impl Checker {
+    fn stalled(&self) -> Option<String> {
+        let stats = self.engine.stats();
+        let steps = stats.front.steps + stats.prefill.as_ref().map_or(0, |p| p.steps);
+        let checks = self.hooks.counters().map(|c| c.checks);
+        self.watchdog.observe(Instant::now(), steps, checks)
+    }
 }
 
 impl fmt::Debug for Live {
@@ -442,6 +487,14 @@ impl Collector for Live {
                 ConstGauge::new(i64::from(self.hooks.is_attached())),
             )],
         )?;
+        if self.hooks.counters().is_some() {
+            one(
+                e,
+                "kvsan:checker_stalled",
+                "1 when forward steps ran and the sanitizer's check count stood still for --checker-stall-secs (/health answers 503).",
+                &ConstGauge::new(i64::from(self.checker.stalled().is_some())),
+            )?;
+        }
         if let Some(counters) = self.hooks.counters() {
             let violations: Vec<(Labels, ConstCounter)> = ViolationKind::ALL
                 .iter()

@@ -33,6 +33,7 @@ mod sse;
 mod stats;
 mod stop;
 mod tokenize;
+mod watchdog;
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -87,16 +88,23 @@ pub struct Served {
 
 impl Front {
     /// A front end for `engine` serving `served`, whose sanitizer (if any)
-    /// is behind `hooks`.
+    /// is behind `hooks`; `/health` fails once steps ran and the
+    /// sanitizer's check count stood still for `checker_stall`.
     pub fn new(
         engine: Arc<Engine>,
         served: Served,
         hooks: Hooks,
         tenants: Tenants,
         max_in_flight: usize,
+        checker_stall: std::time::Duration,
     ) -> Front {
-        let metrics =
-            metrics::Metrics::new(engine.clone(), served.front_node, hooks, &served.model_id);
+        let metrics = metrics::Metrics::new(
+            engine.clone(),
+            served.front_node,
+            hooks,
+            &served.model_id,
+            checker_stall,
+        );
         Front {
             engine,
             text: served.text,

@@ -1,7 +1,8 @@
 //! The routes, and the small ones that need no file of their own.
 //!
 //! ```text
-//!  GET  /health                 200 while the server runs (no key asked)
+//!  GET  /health                 200 while the server runs (no key asked);
+//!                               503 when its sanitizer stopped checking (watchdog.rs)
 //!  GET  /metrics                Prometheus metrics (no key asked: metrics.rs)
 //!  GET  /v1/models              the served model
 //!  GET  /stats                  stats.rs (no key asked)
@@ -42,8 +43,16 @@ pub fn router(front: Arc<Front>) -> Router {
         .with_state(front)
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+/// 200, or 503 with the reason when steps run and the sanitizer's check
+/// count does not move (read off the async threads: the engine's counters
+/// wait for its nodes).
+async fn health(State(front): State<Arc<Front>>) -> Response {
+    let metrics = front.metrics.clone();
+    match tokio::task::spawn_blocking(move || metrics.checker_stalled()).await {
+        Ok(None) => StatusCode::OK.into_response(),
+        Ok(Some(why)) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
+        Err(_) => ApiError::internal("the health check could not run").into_response(),
+    }
 }
 
 /// The metrics, rendered off the async threads (reading the engine's
