@@ -281,6 +281,20 @@ fn off(kind: ViolationKind, options: &Options) -> Option<&'static str> {
     }
 }
 
+/// The process's sanitizer from `options`: with `self_test=1`, only after
+/// [`run`] proved every check it makes fires (what the shim and the engine
+/// call to start one).
+///
+/// # Errors
+/// [`SanitizerError::SelfTest`] naming a kind not caught; a log file that
+/// cannot be opened.
+pub fn start(options: Options) -> Result<Sanitizer, SanitizerError> {
+    if options.self_test {
+        run(&options)?;
+    }
+    Sanitizer::new(options)
+}
+
 /// `v`, the verdict of `kind`'s provoking call, is that kind.
 fn judge(kind: ViolationKind, v: Verdict) -> Result<(), SanitizerError> {
     if v.kind() == Some(kind) {
@@ -364,6 +378,6 @@ mod tests {
         assert!(err.to_string().contains("foreign-read"), "{err}");
         assert!(judge(ViolationKind::ForeignRead, Verdict::Continue).is_err());
         // The real checks pass: a sanitizer asked for the self-test starts.
-        assert!(Sanitizer::new(Options::parse("self_test=1").unwrap()).is_ok());
+        assert!(start(Options::parse("self_test=1").unwrap()).is_ok());
     }
 }

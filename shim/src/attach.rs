@@ -4,7 +4,7 @@
 //! ```text
 //!  load (.init_array)    read KVSAN_OPTIONS once ──ok──▶ "kvsan: attached (pid …, options …)"
 //!                                              └─bad─▶ "kvsan: NOT attached …" (refused for good)
-//!  first call (pool_register in practice)  ──▶ Sanitizer::new: reports sink, log file
+//!  first call (pool_register in practice)  ──▶ self_test::start: the self-test if asked, reports sink, log file
 //!                                              └─fails─▶ "kvsan: NOT attached …" (refused for good)
 //!  exit (.fini_array)    only if a sanitizer was started ──▶ the requests it still tracks,
 //!                                                               then the summary line
@@ -76,7 +76,7 @@ pub(crate) fn sanitizer() -> Result<&'static Sanitizer, ShimError> {
 }
 
 fn start(options: &Options) -> Result<Sanitizer, String> {
-    Sanitizer::new(options.clone()).map_err(|e| {
+    kvsan_sanitizer::self_test::start(options.clone()).map_err(|e| {
         say(format_args!(
             "kvsan: NOT attached (pid {}): {e}; this process runs UNSANITIZED",
             std::process::id()

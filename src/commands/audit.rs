@@ -253,6 +253,11 @@ async fn run_phases(
 ) -> Result<(), Stop> {
     probes::determinism(client, keys, texts, plan.concurrency, found).await?;
     if plan.phases.contains(&Phase::Noninterference) {
+        // Every length the server may accept, first: a prompt served but
+        // not computed (a pool smaller than the context) shows only there.
+        let ctx = plan.context.unwrap_or(2048);
+        sweep::coherence(client, keys.probe, ctx, found).await?;
+        sweep::length_sweep(client, keys, texts, ctx, found).await?;
         probes::noninterference(client, keys, texts, plan.context, plan.pool, found).await?;
     }
     if let (true, Some(ctx)) = (plan.phases.contains(&Phase::Limits), plan.context) {

@@ -298,7 +298,7 @@ impl Hooks {
         let env = std::env::var(OPTIONS_ENV).unwrap_or_default();
         // Later items win: the environment's over the defaults.
         let sanitizer = Options::parse(&format!("{defaults}:{env}"))
-            .and_then(kvsan_sanitizer::Sanitizer::new)
+            .and_then(kvsan_sanitizer::self_test::start)
             .map_err(|source| EngineError::Sanitizer { source })?;
         Ok(Hooks::sanitizer(Arc::new(sanitizer)))
     }

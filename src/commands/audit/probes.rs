@@ -154,14 +154,49 @@ pub struct Found {
     pub determinism: Determinism,
     pub noninterference_pairs: usize,
     /// The noninterference phase's length sweep, by probe length.
-    pub length_sweep: Vec<super::sweep::SweepPoint>,
+    pub length_sweep: Vec<SweepPoint>,
     /// Coherence at length: whether a prompt repeating one sentence was
     /// answered with the sentence, by length.
-    pub coherence: Vec<super::sweep::CoherencePoint>,
+    pub coherence: Vec<CoherencePoint>,
     pub limits: Vec<LimitProbe>,
     pub timing: Vec<Timing>,
     pub findings: Vec<Finding>,
     pub notes: Vec<String>,
+}
+
+/// What one length of the sweep gave.
+#[derive(Clone, Debug, Serialize)]
+pub struct SweepPoint {
+    /// The probe's length the audit aimed at, in tokens.
+    pub target_tokens: usize,
+    /// The probe's length as the server counted it (`usage.prompt_tokens`).
+    pub prompt_tokens: Option<u64>,
+    /// The length the victims before it aimed at.
+    pub victim_tokens: usize,
+    /// `quoted`, `differs`, `same`, `refused` (the server declined the
+    /// probe: not a finding), `not compared` (outputs not comparable).
+    pub outcome: &'static str,
+}
+
+impl SweepPoint {
+    pub(super) fn depends(&self) -> bool {
+        matches!(self.outcome, "quoted" | "differs")
+    }
+
+    /// The probe's length as measured where the server said, else aimed at.
+    pub(super) fn tokens(&self) -> u64 {
+        self.prompt_tokens.unwrap_or(self.target_tokens as u64)
+    }
+}
+
+/// What one length of the coherence probe gave.
+#[derive(Clone, Debug, Serialize)]
+pub struct CoherencePoint {
+    pub target_tokens: usize,
+    pub prompt_tokens: Option<u64>,
+    pub status: u16,
+    /// The answer began with the repeated sentence.
+    pub continued: bool,
 }
 
 /// Who sends what: the victim's key, and the probe's (the other tenant's).
@@ -368,10 +403,6 @@ pub async fn noninterference(
         ("long victim", hold * 3 / 5),
         ("near-limit victim", hold * 9 / 10),
     ];
-    // Every length the server may accept, first: a prompt served but not
-    // computed (a pool smaller than the context) shows only between them.
-    super::sweep::coherence(client, keys.probe, ctx, found).await?;
-    super::sweep::length_sweep(client, keys, texts, ctx, found).await?;
     // Victims and probes one at a time.
     let deterministic = found.determinism.deterministic_one_at_a_time;
     for probe in &probes {

@@ -23,40 +23,14 @@
 //! short length); a longer one the server accepts and answers otherwise
 //! was not computed from its own text (`long-prompt-not-computed`).
 
-use serde::Serialize;
-
 use super::client::{Client, Completion, Stop};
 use super::probes::{
-    self, CANARIES, Finding, Found, Keys, Rule, Texts, hash, ok_or_stop, victim_prompt, words_for,
+    self, CANARIES, CoherencePoint, Finding, Found, Keys, Rule, SweepPoint, Texts, hash,
+    ok_or_stop, victim_prompt, words_for,
 };
 
 /// The shortest length probed: about a page of KV.
 const PAGE: usize = 16;
-
-/// What one length of the sweep gave.
-#[derive(Clone, Debug, Serialize)]
-pub struct SweepPoint {
-    /// The probe's length the audit aimed at, in tokens.
-    pub target_tokens: usize,
-    /// The probe's length as the server counted it (`usage.prompt_tokens`).
-    pub prompt_tokens: Option<u64>,
-    /// The length the victims before it aimed at.
-    pub victim_tokens: usize,
-    /// `quoted`, `differs`, `same`, `refused` (the server declined the
-    /// probe: not a finding), `not compared` (outputs not comparable).
-    pub outcome: &'static str,
-}
-
-impl SweepPoint {
-    fn depends(&self) -> bool {
-        matches!(self.outcome, "quoted" | "differs")
-    }
-
-    /// The probe's length as measured where the server said, else aimed at.
-    fn tokens(&self) -> u64 {
-        self.prompt_tokens.unwrap_or(self.target_tokens as u64)
-    }
-}
 
 /// Sentences a prompt of the coherence probe repeats; the first the model
 /// continues at a short length is used.
@@ -65,16 +39,6 @@ const SENTENCES: [&str; 3] = [
     "The river glows under violet thunder.",
     "Walnut timber saddle ribbon quartz.",
 ];
-
-/// What one length of the coherence probe gave.
-#[derive(Clone, Debug, Serialize)]
-pub struct CoherencePoint {
-    pub target_tokens: usize,
-    pub prompt_tokens: Option<u64>,
-    pub status: u16,
-    /// The answer began with the repeated sentence.
-    pub continued: bool,
-}
 
 /// `sentence` repeated to about `tokens` tokens (a word is about 1.4).
 fn repeated(sentence: &str, tokens: usize) -> String {

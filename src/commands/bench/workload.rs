@@ -30,7 +30,7 @@ use kvsan_engine::request::{Event, Request};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
 use kvsan_kernels::DType;
-use kvsan_sanitizer::{Sanitizer, TenantId};
+use kvsan_sanitizer::TenantId;
 use serde::{Deserialize, Serialize};
 
 use super::super::generate::Topology;
@@ -251,7 +251,9 @@ fn hooks_for(attach: Attach) -> anyhow::Result<(Hooks, AttentionCheck)> {
         }
         Attach::None => (Hooks::none(), AttentionCheck::Unchecked),
         Attach::InProcess => {
-            let sanitizer = Sanitizer::from_env().context("KVSAN_OPTIONS")?;
+            let sanitizer = kvsan_sanitizer::options::Options::from_env()
+                .and_then(kvsan_sanitizer::self_test::start)
+                .context("KVSAN_OPTIONS")?;
             (
                 Hooks::sanitizer(Arc::new(sanitizer)),
                 AttentionCheck::Generations,
