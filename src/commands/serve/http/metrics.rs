@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvsan_engine::anomaly::AnomalyKind;
-use kvsan_engine::engine::Engine;
+use kvsan_engine::engine::{Engine, EngineStats};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::node::NodeStats;
 use kvsan_engine::request::{ErrorKind, Event, FinishReason, RequestError};
@@ -295,8 +295,13 @@ impl fmt::Debug for Checker {
 }
 
 impl Checker {
+    /// Reads the engine's steps (waiting for its nodes) and judges them.
     fn stalled(&self) -> Option<String> {
-        let stats = self.engine.stats();
+        self.stalled_at(&self.engine.stats())
+    }
+
+    /// Judges `stats`, the engine's counters already read.
+    fn stalled_at(&self, stats: &EngineStats) -> Option<String> {
         let steps = stats.front.steps + stats.prefill.as_ref().map_or(0, |p| p.steps);
         let checks = self.hooks.counters().map(|c| c.checks);
         self.watchdog.observe(Instant::now(), steps, checks)
@@ -492,7 +497,7 @@ impl Collector for Live {
                 e,
                 "kvsan:checker_stalled",
                 "1 when forward steps ran and the sanitizer's check count stood still for --checker-stall-secs (/health answers 503).",
-                &ConstGauge::new(i64::from(self.checker.stalled().is_some())),
+                &ConstGauge::new(i64::from(self.checker.stalled_at(&stats).is_some())),
             )?;
         }
         if let Some(counters) = self.hooks.counters() {
