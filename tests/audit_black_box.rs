@@ -251,7 +251,7 @@ fn the_incidents_fault_is_found_and_written_as_sarif() {
     let sarif: Value = serde_json::from_str(&std::fs::read_to_string(&sarif).unwrap()).unwrap();
     assert_eq!(sarif["version"], "2.1.0");
     let run = &sarif["runs"][0];
-    assert_eq!(run["tool"]["driver"]["rules"].as_array().unwrap().len(), 6);
+    assert_eq!(run["tool"]["driver"]["rules"].as_array().unwrap().len(), 9);
     let result = run["results"]
         .as_array()
         .unwrap()
@@ -396,6 +396,158 @@ fn a_prefix_cache_shared_across_tenants_is_found_by_timing() {
         rules(&report).contains(&"cross-key-prefix-cache".to_string()),
         "{report:#}"
     );
+}
+
+/// The audit's order phase against kvsan's own prefix cache: 72-token
+/// steps, so a burst's prompts are prefilled over several steps, and a
+/// pool that holds a whole burst and its warmed prefixes (a pool of one
+/// context runs two of them at a time and evicts the prefixes).
+fn order_audit(name: &'static str, policy: &str) -> (Option<i32>, Value, String) {
+    let keys = keys_file(name);
+    let server = Server::http(
+        name,
+        "unified",
+        &[
+            "--context",
+            "256",
+            "--pool-tokens",
+            "2048",
+            "--step-tokens",
+            "72",
+            "--api-keys",
+            &keys,
+            "--prefix-cache",
+            policy,
+        ],
+        &[],
+    );
+    audit_json_sized(&server.listen(), "160", "1", &["--phases", "order"])
+}
+
+/// `--prefix-cache global`: requests on prefixes the other key just sent
+/// are answered before fresh ones sent at the same time — found by order.
+#[test]
+fn a_prefix_cache_shared_across_tenants_is_found_by_order() {
+    let (code, report, stderr) = order_audit("audit-order-global", "global");
+    assert_eq!(code, Some(1), "{report:#}\n{stderr}");
+    assert_eq!(rules(&report), ["cross-key-scheduling-order"], "{report:#}");
+    let other = &report["order"][1];
+    assert!(other["places_gained"].as_f64().unwrap() > 0.0, "{report:#}");
+    assert!(other["p"].as_f64().unwrap() < 0.01, "{report:#}");
+}
+
+/// The per-tenant cache: the same key's bursts come back in the cache's
+/// order (the control), the other key's do not — isolated, exit 0.
+#[test]
+fn a_per_tenant_prefix_cache_shows_an_order_with_one_key_and_none_across_keys() {
+    let (code, report, stderr) = order_audit("audit-order-tenant", "tenant");
+    assert_eq!(code, Some(0), "{report:#}\n{stderr}");
+    let order = report["order"].as_array().unwrap();
+    assert!(
+        order[0]["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("the order shows the cache"),
+        "{report:#}"
+    );
+    assert!(
+        order[1]["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("isolated by key"),
+        "{report:#}"
+    );
+}
+
+/// The salt assertions against kvsan's own prefix cache with `policy`.
+fn salt_audit(name: &'static str, serve: &[&str], extra: &[&str]) -> (Option<i32>, Value, String) {
+    let keys = keys_file(name);
+    let mut serve_args = vec!["--context", "256", "--api-keys", &keys];
+    serve_args.extend_from_slice(serve);
+    let server = Server::http(name, "unified", &serve_args, &[]);
+    let mut args = vec!["--phases", "salt"];
+    args.extend_from_slice(extra);
+    audit_json_sized(&server.listen(), "130", "8", &args)
+}
+
+/// The per-tenant cache honours `cache_salt`: the same key and salt hit
+/// (the control, seen in `cached_tokens` and in time), another salt,
+/// no salt and another key sending the salt do not — every arm paired,
+/// exit 0.
+#[test]
+fn cache_salt_under_the_tenant_policy_hits_with_its_salt_only() {
+    let (code, report, stderr) =
+        salt_audit("audit-salt-tenant", &["--prefix-cache", "tenant"], &[]);
+    assert_eq!(code, Some(0), "{report:#}\n{stderr}");
+    let arms = report["salt"].as_array().unwrap();
+    assert_eq!(arms.len(), 4, "{report:#}");
+    assert_eq!(arms[0]["hit"], true, "{report:#}");
+    assert!(arms[0]["cached_hit"].as_f64().unwrap() > 0.0, "{report:#}");
+    assert_eq!(arms[0]["cached_miss"].as_f64(), Some(0.0), "{report:#}");
+    assert!(
+        arms[1]["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("isolated by salt"),
+        "{report:#}"
+    );
+    for arm in &arms[1..3] {
+        assert!(
+            arm["verdict"]
+                .as_str()
+                .unwrap()
+                .contains("isolated by salt"),
+            "{report:#}"
+        );
+    }
+    assert!(
+        arms[3]["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("not shared across keys"),
+        "{report:#}"
+    );
+}
+
+/// vLLM's rule (`--prefix-cache salt`): a salt is shared by every key
+/// that sends it. The audit says so as a finding — unless told the server
+/// documents it, when it is a verdict and exit 0.
+#[test]
+fn a_salt_shared_across_keys_is_a_finding_unless_the_server_documents_it() {
+    let (code, report, stderr) = salt_audit("audit-salt-shared", &["--prefix-cache", "salt"], &[]);
+    assert_eq!(code, Some(1), "{report:#}\n{stderr}");
+    assert_eq!(rules(&report), ["salt-shared-across-keys"], "{report:#}");
+    let (code, report, stderr) = salt_audit(
+        "audit-salt-documented",
+        &["--prefix-cache", "salt"],
+        &["--salts-shared-across-keys"],
+    );
+    assert_eq!(code, Some(0), "{report:#}\n{stderr}");
+    assert!(
+        report["salt"][3]["verdict"]
+            .as_str()
+            .unwrap()
+            .contains("as the server documents"),
+        "{report:#}"
+    );
+}
+
+/// `cache-salt-dropped`: a salted prompt's pages are cached without its
+/// salt, so the same key's unsalted request finds them — the salt arm
+/// without a salt sees the hit.
+#[cfg(feature = "faults")]
+#[test]
+fn a_salt_dropped_from_the_cached_pages_is_found_by_the_salt_assertions() {
+    let (code, report, stderr) = salt_audit(
+        "audit-salt-dropped",
+        &["--prefix-cache", "tenant", "--inject", "cache-salt-dropped"],
+        &[],
+    );
+    assert_eq!(code, Some(1), "{report:#}\n{stderr}");
+    assert_eq!(rules(&report), ["salt-not-isolating"], "{report:#}");
+    let arm = &report["salt"][2];
+    assert_eq!(arm["name"], "same key, no salt", "{report:#}");
+    assert_eq!(arm["hit"], true, "{report:#}");
 }
 
 /// The audit's noninterference phase against `kvsan serve` (SmolLM2, a

@@ -23,15 +23,24 @@
 //!  4 prefix timing    a repeated prefix's time to first token against
 //!                     fresh ones: same key (a hit must show), other key
 //!                     (a hit is a finding); two-sample KS test
+//!  5 order            bursts of requests, half on prefixes just warmed:
+//!                     answered first more often than chance (permutation
+//!                     test) with the same key (the control), with the
+//!                     other key (a finding)
+//!  6 salt             cache_salt: the same key and salt hit (the control),
+//!                     another salt or another key sending the salt must not
 //! ```
 //!
 //! Exit status, like a linter's: 0 nothing found, 1 findings, 2 the audit
 //! could not run (the server unreachable, bad arguments).
 
 mod client;
+mod found;
 mod ks;
+mod order;
 mod probes;
 mod report;
+mod salt;
 mod sweep;
 
 use std::path::PathBuf;
@@ -40,7 +49,8 @@ use std::time::Duration;
 use anyhow::Context;
 
 use self::client::{Client, Stop};
-use self::probes::{Found, Keys, Texts};
+use self::found::Found;
+use self::probes::{Keys, Texts};
 use self::report::Report;
 
 /// Arguments of `kvsan audit`.
@@ -69,7 +79,7 @@ pub struct Args {
     #[arg(long, value_name = "TOKENS")]
     pub pool_limit: Option<usize>,
     /// Requests the audit may send at most.
-    #[arg(long, value_name = "REQUESTS", default_value_t = 450)]
+    #[arg(long, value_name = "REQUESTS", default_value_t = 600)]
     pub budget: usize,
     /// Identical requests sent at once in the determinism phase.
     #[arg(long, default_value_t = 3)]
@@ -77,9 +87,15 @@ pub struct Args {
     /// Seconds one request may take.
     #[arg(long, value_name = "SECS", default_value_t = 120)]
     pub timeout: u64,
-    /// Timed requests per arm of each prefix-cache comparison.
+    /// Timed requests per arm of each prefix-cache comparison (the prefix
+    /// timing and the salt assertions).
     #[arg(long, default_value_t = 12)]
     pub timing_samples: usize,
+    /// The server documents that a `cache_salt` is shared by every key
+    /// that sends it (vLLM's rule): another key's hit on a salt is then
+    /// reported, not a finding.
+    #[arg(long)]
+    pub salts_shared_across_keys: bool,
     /// Print the report as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -109,10 +125,20 @@ pub enum Phase {
     Limits,
     /// The prefix cache seen through time to first token.
     Timing,
+    /// The prefix cache seen through the order of answers to a burst.
+    Order,
+    /// Whether `cache_salt` isolates (paired with a visible hit).
+    Salt,
 }
 
 impl Phase {
-    const ALL: [Phase; 3] = [Phase::Noninterference, Phase::Limits, Phase::Timing];
+    const ALL: [Phase; 5] = [
+        Phase::Noninterference,
+        Phase::Limits,
+        Phase::Timing,
+        Phase::Order,
+        Phase::Salt,
+    ];
 }
 
 /// How the audit ended.
@@ -197,6 +223,7 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
         pool: args.pool_limit,
         concurrency: args.concurrency,
         samples: args.timing_samples,
+        salts_shared_across_keys: args.salts_shared_across_keys,
         phases: args.phases.clone(),
     };
     let phases = run_phases(&client, &keys, &mut texts, &plan, &mut found).await;
@@ -241,6 +268,7 @@ struct Plan {
     pool: Option<usize>,
     concurrency: usize,
     samples: usize,
+    salts_shared_across_keys: bool,
     phases: Vec<Phase>,
 }
 
@@ -265,6 +293,21 @@ async fn run_phases(
     }
     if plan.phases.contains(&Phase::Timing) {
         probes::prefix_timing(client, keys, texts, plan.context, plan.samples, found).await?;
+    }
+    if plan.phases.contains(&Phase::Order) {
+        order::scheduling_order(client, keys, texts, plan.context, found).await?;
+    }
+    if plan.phases.contains(&Phase::Salt) {
+        salt::salt_assertions(
+            client,
+            keys,
+            texts,
+            plan.context,
+            plan.samples,
+            plan.salts_shared_across_keys,
+            found,
+        )
+        .await?;
     }
     Ok(())
 }

@@ -233,6 +233,73 @@ impl Client {
         self.answered(answer)
     }
 
+    /// A greedy completion of `prompt`, streamed: `under_way` is told when
+    /// the first chunk with text arrives (the answer is being generated),
+    /// and the whole text is returned at the end. A refused request drops
+    /// `under_way` untold.
+    ///
+    /// # Errors
+    /// As [`Client::complete`].
+    pub async fn complete_telling(
+        &self,
+        key: Option<&str>,
+        prompt: &str,
+        max_tokens: usize,
+        under_way: tokio::sync::oneshot::Sender<()>,
+    ) -> anyhow::Result<Completion> {
+        self.spend()?;
+        let body = json!({
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "seed": 0, "stream": true,
+        });
+        let answer = async {
+            let mut resp = self
+                .post(key, "/v1/completions", &body)
+                .send()
+                .await
+                .context("sending a streamed completion")?;
+            let status = resp.status().as_u16();
+            if !(200..300).contains(&status) {
+                let bytes = resp.bytes().await.context("reading a completion")?;
+                let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                return Ok(Completion {
+                    status,
+                    error: Some(error_message(&v)),
+                    ..Completion::default()
+                });
+            }
+            let mut under_way = Some(under_way);
+            let mut out = Completion {
+                status,
+                ..Completion::default()
+            };
+            let mut pending = String::new();
+            while let Some(chunk) = resp.chunk().await.context("reading the stream")? {
+                pending.push_str(&String::from_utf8_lossy(&chunk));
+                while let Some(at) = pending.find('\n') {
+                    let line: String = pending.drain(..=at).collect();
+                    let Some(data) = line.trim().strip_prefix("data:") else {
+                        continue;
+                    };
+                    let v: Value = serde_json::from_str(data.trim()).unwrap_or(Value::Null);
+                    let choice = &v["choices"][0];
+                    if let Some(text) = choice["text"].as_str().filter(|t| !t.is_empty()) {
+                        out.text.push_str(text);
+                        if let Some(tell) = under_way.take() {
+                            let _ = tell.send(());
+                        }
+                    }
+                    if let Some(reason) = choice["finish_reason"].as_str() {
+                        out.finish_reason = Some(reason.to_string());
+                    }
+                }
+            }
+            Ok(out)
+        }
+        .await;
+        self.answered(answer)
+    }
+
     /// A streamed completion of `prompt` that the client abandons after
     /// `after`: the connection is closed mid-request, as a client that
     /// times out or navigates away closes it. Nothing of the answer is kept.
@@ -271,11 +338,37 @@ impl Client {
         key: Option<&str>,
         prompt: &str,
     ) -> anyhow::Result<Option<Duration>> {
+        Ok(self
+            .first_token(key, prompt, None, false)
+            .await?
+            .map(|t| t.after))
+    }
+
+    /// Time to the first streamed chunk that carries text, for `prompt`
+    /// sent with `cache_salt` when `salt` is given, and with the stream's
+    /// usage asked for when `usage` (`cached_tokens` then comes back where
+    /// the server reports it). `None` when the server refused it.
+    ///
+    /// # Errors
+    /// As [`Client::complete`].
+    pub async fn first_token(
+        &self,
+        key: Option<&str>,
+        prompt: &str,
+        salt: Option<&str>,
+        usage: bool,
+    ) -> anyhow::Result<Option<FirstToken>> {
         self.spend()?;
-        let body = json!({
+        let mut body = json!({
             "model": self.model, "prompt": prompt, "max_tokens": 2,
             "temperature": 0, "stream": true,
         });
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        if usage {
+            body["stream_options"] = json!({"include_usage": true});
+        }
         let answer = async {
             let start = Instant::now();
             let mut resp = self
@@ -287,6 +380,8 @@ impl Client {
                 return Ok(None);
             }
             let mut pending = String::new();
+            let mut first = None;
+            let mut cached_tokens = None;
             while let Some(chunk) = resp.chunk().await.context("reading the stream")? {
                 pending.push_str(&String::from_utf8_lossy(&chunk));
                 while let Some(at) = pending.find('\n') {
@@ -296,25 +391,48 @@ impl Client {
                     };
                     let data = data.trim();
                     if data == "[DONE]" {
-                        return Ok(None);
+                        continue;
                     }
                     let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-                    if v["choices"][0]["text"]
-                        .as_str()
-                        .is_some_and(|t| !t.is_empty())
+                    if first.is_none()
+                        && v["choices"][0]["text"]
+                            .as_str()
+                            .is_some_and(|t| !t.is_empty())
                     {
-                        let first = start.elapsed();
-                        // Drain the rest so the connection is reusable.
-                        while resp.chunk().await.ok().flatten().is_some() {}
-                        return Ok(Some(first));
+                        first = Some(start.elapsed());
+                        if !usage {
+                            // Nothing more is read: drain the rest so the
+                            // connection is reusable.
+                            while resp.chunk().await.ok().flatten().is_some() {}
+                            return Ok(first.map(|after| FirstToken {
+                                after,
+                                cached_tokens,
+                            }));
+                        }
+                    }
+                    if let Some(n) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+                        cached_tokens = Some(n);
                     }
                 }
             }
-            Ok(None)
+            Ok(first.map(|after| FirstToken {
+                after,
+                cached_tokens,
+            }))
         }
         .await;
         self.answered(answer)
     }
+}
+
+/// A streamed answer's first token.
+#[derive(Clone, Copy, Debug)]
+pub struct FirstToken {
+    /// From sending the request to the first chunk with text.
+    pub after: Duration,
+    /// `usage.prompt_tokens_details.cached_tokens`, where the server
+    /// reported it (when asked for).
+    pub cached_tokens: Option<u64>,
 }
 
 /// The message of an OpenAI-style error body (`error.message`), or the body.

@@ -6,198 +6,10 @@ use std::time::Duration;
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Serialize;
 
-use super::client::{Client, Completion, Stop};
+use super::client::{Client, Completion, FirstToken, Stop};
+use super::found::{Determinism, Finding, Found, LimitProbe, Rule, Timing};
 use super::ks::{self, Ks};
-
-/// A kind of finding: one SARIF rule each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Rule {
-    /// A probe's output changed with another tenant's canary.
-    OutputDependsOnOtherRequest,
-    /// A probe's output quoted a canary another request sent.
-    CanaryQuoted,
-    /// A prompt over the context got a 2xx with text.
-    OversizePromptServed,
-    /// A limit probe got a 5xx, or a 2xx whose usage passes the context.
-    LimitNotClean,
-    /// One key's prompt sped up another key's first token.
-    CrossKeyPrefixCache,
-    /// A long prompt the server accepted was answered as if it had not
-    /// been computed (its own pattern not continued).
-    LongPromptNotComputed,
-}
-
-impl Rule {
-    pub const ALL: [Rule; 6] = [
-        Rule::OutputDependsOnOtherRequest,
-        Rule::CanaryQuoted,
-        Rule::OversizePromptServed,
-        Rule::LimitNotClean,
-        Rule::CrossKeyPrefixCache,
-        Rule::LongPromptNotComputed,
-    ];
-
-    pub fn id(self) -> &'static str {
-        match self {
-            Rule::OutputDependsOnOtherRequest => "output-depends-on-other-request",
-            Rule::CanaryQuoted => "canary-quoted",
-            Rule::OversizePromptServed => "oversize-prompt-served",
-            Rule::LimitNotClean => "limit-not-clean",
-            Rule::CrossKeyPrefixCache => "cross-key-prefix-cache",
-            Rule::LongPromptNotComputed => "long-prompt-not-computed",
-        }
-    }
-
-    pub fn description(self) -> &'static str {
-        match self {
-            Rule::OutputDependsOnOtherRequest => {
-                "a probe's greedy output changed when only another request's canary changed: one request's KV reached another's output"
-            }
-            Rule::CanaryQuoted => {
-                "a probe's output quoted a canary secret that only another request sent"
-            }
-            Rule::OversizePromptServed => {
-                "a prompt longer than the context the server holds was answered with 200 and text instead of a 4xx"
-            }
-            Rule::LimitNotClean => {
-                "a request at or past a limit got a 5xx, or a 200 whose usage passes the context"
-            }
-            Rule::CrossKeyPrefixCache => {
-                "a prefix sent with one API key sped up the first token of the same prefix sent with another key: the prefix cache is shared across keys"
-            }
-            Rule::LongPromptNotComputed => {
-                "a long prompt the server accepted was answered as if it had not been computed: the pattern it repeats, continued at a short length, was not continued"
-            }
-        }
-    }
-}
-
-/// One finding and its evidence.
-#[derive(Clone, Debug, Serialize)]
-pub struct Finding {
-    pub rule: Rule,
-    pub message: String,
-    pub evidence: serde_json::Value,
-}
-
-/// What the determinism phase measured.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct Determinism {
-    pub requests: usize,
-    /// Distinct outputs among the identical requests.
-    pub distinct_outputs: usize,
-    /// Every identical request answered alike, one at a time and at once.
-    pub deterministic: bool,
-    /// The identical requests sent one after another answered alike: the
-    /// comparisons of requests sent one at a time count even on a server
-    /// whose outputs change with what else it batches.
-    pub deterministic_one_at_a_time: bool,
-}
-
-impl Determinism {
-    /// What `sequential` (sent one after another) and `concurrent` (sent
-    /// at once) answers to one greedy request say.
-    fn of(sequential: &[Completion], concurrent: &[Completion]) -> Self {
-        // How many different texts `outs` answered.
-        let count_distinct = |outs: &[&Completion]| {
-            let mut texts: Vec<&str> = outs.iter().map(|c| c.text.as_str()).collect();
-            texts.sort_unstable();
-            texts.dedup();
-            texts.len()
-        };
-        let all: Vec<&Completion> = sequential.iter().chain(concurrent).collect();
-        let served: Vec<&Completion> = all.iter().copied().filter(|c| c.served_text()).collect();
-        let one_at_a_time: Vec<&Completion> =
-            sequential.iter().filter(|c| c.served_text()).collect();
-        let distinct = count_distinct(&served);
-        Determinism {
-            requests: all.len(),
-            distinct_outputs: distinct,
-            deterministic: !served.is_empty() && distinct == 1,
-            deterministic_one_at_a_time: !one_at_a_time.is_empty()
-                && count_distinct(&one_at_a_time) == 1,
-        }
-    }
-}
-
-/// One limit probe.
-#[derive(Clone, Debug, Serialize)]
-pub struct LimitProbe {
-    pub name: &'static str,
-    pub prompt_words: usize,
-    pub max_tokens: usize,
-    pub status: u16,
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-    pub outcome: String,
-}
-
-/// One prefix-cache timing comparison.
-#[derive(Clone, Debug, Serialize)]
-pub struct Timing {
-    pub name: &'static str,
-    pub samples: usize,
-    pub hit_median_ms: f64,
-    pub miss_median_ms: f64,
-    pub effect_ms: f64,
-    pub ks: Ks,
-    pub requests: usize,
-    pub verdict: String,
-}
-
-/// Everything the phases found.
-#[derive(Debug, Default, Serialize)]
-pub struct Found {
-    pub determinism: Determinism,
-    pub noninterference_pairs: usize,
-    /// The noninterference phase's length sweep, by probe length.
-    pub length_sweep: Vec<SweepPoint>,
-    /// Coherence at length: whether a prompt repeating one sentence was
-    /// answered with the sentence, by length.
-    pub coherence: Vec<CoherencePoint>,
-    pub limits: Vec<LimitProbe>,
-    pub timing: Vec<Timing>,
-    pub findings: Vec<Finding>,
-    pub notes: Vec<String>,
-}
-
-/// What one length of the sweep gave.
-#[derive(Clone, Debug, Serialize)]
-pub struct SweepPoint {
-    /// The probe's length the audit aimed at, in tokens.
-    pub target_tokens: usize,
-    /// The probe's length as the server counted it (`usage.prompt_tokens`).
-    pub prompt_tokens: Option<u64>,
-    /// The length the victims before it aimed at.
-    pub victim_tokens: usize,
-    /// `quoted`, `differs`, `same`, `refused` (the server declined the
-    /// probe: not a finding), `not compared` (outputs not comparable).
-    pub outcome: &'static str,
-}
-
-impl SweepPoint {
-    pub(super) fn depends(&self) -> bool {
-        matches!(self.outcome, "quoted" | "differs")
-    }
-
-    /// The probe's length as measured where the server said, else aimed at.
-    pub(super) fn tokens(&self) -> u64 {
-        self.prompt_tokens.unwrap_or(self.target_tokens as u64)
-    }
-}
-
-/// What one length of the coherence probe gave.
-#[derive(Clone, Debug, Serialize)]
-pub struct CoherencePoint {
-    pub target_tokens: usize,
-    pub prompt_tokens: Option<u64>,
-    pub status: u16,
-    /// The answer began with the repeated sentence.
-    pub continued: bool,
-}
 
 /// Who sends what: the victim's key, and the probe's (the other tenant's).
 pub struct Keys<'a> {
@@ -230,6 +42,13 @@ impl Texts {
             .map(|_| WORDS[self.rng.random_range(0..WORDS.len())])
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    /// `items` in a random order.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            items.swap(i, self.rng.random_range(0..=i));
+        }
     }
 
     /// A fresh canary secret: 16 decimal digits. Every canary is as many
@@ -621,11 +440,17 @@ async fn resent_after_victim(
     Ok(())
 }
 
+/// The longest wait for the long-answer probe's first token before its
+/// prompt is extended anyway.
+const EXTEND_AFTER_MS: u64 = 20_000;
+
 /// While the long-answer probe answers, the probe's key sends a request
 /// that extends the probe's prompt with a canary (a conversation's next
 /// turn): the probe's answer must not change with that canary. A server
 /// that shares the probe's partly filled last page lets the other request
-/// write into the probe's answer slots.
+/// write into the probe's answer slots. The extension is sent when the
+/// probe's first token has come back — mid-answer however slow the server
+/// is — and at the latest after `EXTEND_AFTER_MS`.
 async fn extended_while_answering(
     client: &Client,
     keys: &Keys<'_>,
@@ -638,9 +463,14 @@ async fn extended_while_answering(
     for _ in 0..CANARIES {
         let canary = texts.canary();
         let extension = format!("{} {}", probe.prompt, victim_prompt(&canary, 40));
+        let (under_way, told) = tokio::sync::oneshot::channel();
         let (answer, other) = futures_util::future::join(
-            client.complete(keys.probe, &probe.prompt, probe.max_tokens),
-            after(200, client.complete(keys.probe, &extension, 4)),
+            client.complete_telling(keys.probe, &probe.prompt, probe.max_tokens, under_way),
+            async {
+                // Told, or the probe refused (the sender dropped), or late.
+                let _ = tokio::time::timeout(Duration::from_millis(EXTEND_AFTER_MS), told).await;
+                client.complete(keys.probe, &extension, 4).await
+            },
         )
         .await;
         ok_or_stop(other)?;
@@ -1156,7 +986,10 @@ pub async fn prefix_timing(
     found: &mut Found,
 ) -> Result<(), Stop> {
     let words = (context.unwrap_or(2048) * 3 / 10).clamp(64, 1500);
-    let same = timing_arm(client, keys.victim, keys.victim, texts, words, samples).await?;
+    let (victim, probe) = (Sender::key(keys.victim), Sender::key(keys.probe));
+    let same = timing_arm(client, victim, victim, texts, words, samples)
+        .await?
+        .timing;
     let cache_seen = same.ks.p < 0.01 && same.effect_ms > 0.0;
     let same = Timing {
         verdict: if cache_seen {
@@ -1173,7 +1006,9 @@ pub async fn prefix_timing(
             .push("prefix-cache timing across keys needs --other-api-key; not run".into());
         return Ok(());
     }
-    let mut other = timing_arm(client, keys.victim, keys.probe, texts, words, samples).await?;
+    let mut other = timing_arm(client, victim, probe, texts, words, samples)
+        .await?
+        .timing;
     other.name = "other key";
     let shared = other.ks.p < 0.01 && other.effect_ms > 0.0;
     other.verdict = match (shared, cache_seen) {
@@ -1197,43 +1032,80 @@ pub async fn prefix_timing(
     Ok(())
 }
 
-/// Times `samples` requests of `probe_key` on a prefix warmed just before
-/// by `warm_key` against as many on fresh prefixes, interleaved. Each
-/// sample has a prefix of its own: a prefix `probe_key` had sent before
-/// would be found in a cache it may legally share with itself, and would
-/// show a hit across keys that is not one.
-async fn timing_arm(
+/// Who sends a timed request: a key, the `cache_salt` it sends, and
+/// whether it asks for the stream's usage (`cached_tokens`).
+#[derive(Clone, Copy)]
+pub(super) struct Sender<'a> {
+    pub key: Option<&'a str>,
+    pub salt: Option<&'a str>,
+    pub usage: bool,
+}
+
+impl<'a> Sender<'a> {
+    /// `key`, unsalted, asking for nothing more.
+    pub fn key(key: Option<&'a str>) -> Self {
+        Sender {
+            key,
+            salt: None,
+            usage: false,
+        }
+    }
+}
+
+/// A timing arm, and the `cached_tokens` its timed requests reported
+/// (salted requests ask for them).
+pub(super) struct Arm {
+    pub timing: Timing,
+    pub cached_hit: Vec<u64>,
+    pub cached_miss: Vec<u64>,
+}
+
+/// Times `samples` requests of `probe` on a prefix warmed just before by
+/// `warm` against as many on fresh prefixes, interleaved. Each sample has
+/// a prefix of its own: a prefix `probe` had sent before would be found
+/// in a cache it may legally share with itself, and would show a hit
+/// across keys (or salts) that is not one.
+pub(super) async fn timing_arm(
     client: &Client,
-    warm_key: Option<&str>,
-    probe_key: Option<&str>,
+    warm: Sender<'_>,
+    probe: Sender<'_>,
     texts: &mut Texts,
     words: usize,
     samples: usize,
-) -> Result<Timing, Stop> {
+) -> Result<Arm, Stop> {
     let before = client.sent();
     let (mut hit, mut miss) = (Vec::new(), Vec::new());
+    let (mut cached_hit, mut cached_miss) = (Vec::new(), Vec::new());
     for i in 0..samples {
         let prefix = texts.words(words);
-        ok_or_stop(
-            client
-                .complete(warm_key, &format!("{prefix} warm"), 1)
-                .await,
-        )?;
-        let suffix = format!(" question {i}");
-        if let Some(t) = ok_or_stop(
-            client
-                .time_to_first_token(probe_key, &format!("{prefix}{suffix}"))
-                .await,
-        )? {
-            hit.push(ms(t));
+        let warming = format!("{prefix} warm");
+        match warm.salt {
+            None => {
+                ok_or_stop(client.complete(warm.key, &warming, 1).await)?;
+            }
+            Some(salt) => {
+                ok_or_stop(
+                    client
+                        .first_token(warm.key, &warming, Some(salt), false)
+                        .await,
+                )?;
+            }
         }
+        let suffix = format!(" question {i}");
         let fresh = texts.words(words);
-        if let Some(t) = ok_or_stop(
-            client
-                .time_to_first_token(probe_key, &format!("{fresh}{suffix}"))
-                .await,
-        )? {
-            miss.push(ms(t));
+        for (start, times, cached) in [
+            (&prefix, &mut hit, &mut cached_hit),
+            (&fresh, &mut miss, &mut cached_miss),
+        ] {
+            let prompt = format!("{start}{suffix}");
+            if let Some(t) = ok_or_stop(
+                client
+                    .first_token(probe.key, &prompt, probe.salt, probe.usage)
+                    .await,
+            )? {
+                times.push(ms(t.after));
+                cached.extend(t.cached_tokens);
+            }
         }
     }
     let (hm, mm) = (median(&hit), median(&miss));
@@ -1242,15 +1114,19 @@ async fn timing_arm(
     } else {
         ks::two_sample(&hit, &miss)
     };
-    Ok(Timing {
-        name: "same key",
-        samples: hit.len().min(miss.len()),
-        hit_median_ms: hm,
-        miss_median_ms: mm,
-        effect_ms: mm - hm,
-        ks,
-        requests: client.sent() - before,
-        verdict: String::new(),
+    Ok(Arm {
+        timing: Timing {
+            name: "same key",
+            samples: hit.len().min(miss.len()),
+            hit_median_ms: hm,
+            miss_median_ms: mm,
+            effect_ms: mm - hm,
+            ks,
+            requests: client.sent() - before,
+            verdict: String::new(),
+        },
+        cached_hit,
+        cached_miss,
     })
 }
 
@@ -1258,7 +1134,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(super) fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -1299,6 +1175,12 @@ impl From<Failed> for Completion {
 
 impl From<Failed> for Option<Duration> {
     fn from(_: Failed) -> Option<Duration> {
+        None
+    }
+}
+
+impl From<Failed> for Option<FirstToken> {
+    fn from(_: Failed) -> Option<FirstToken> {
         None
     }
 }

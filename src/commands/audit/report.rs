@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::probes::{Found, Rule};
+use super::found::{Found, Rule};
 
 /// What an audit of one server found.
 #[derive(Debug, Serialize)]
@@ -130,6 +130,32 @@ impl Report {
                 tm.samples,
                 tm.requests,
                 tm.verdict
+            );
+        }
+        for o in &self.found.order {
+            let _ = writeln!(
+                t,
+                "  scheduling order, {}: a request on a warmed prefix gained {:.2} places (chance 0), permutation p = {:.2e}, answered first in {:.0} % of {} pairs, {} rounds, {} requests: {}",
+                o.name,
+                o.places_gained,
+                o.p,
+                o.share_first * 100.0,
+                o.pairs,
+                o.rounds,
+                o.requests,
+                o.verdict
+            );
+        }
+        for a in &self.found.salt {
+            let tm = &a.timing;
+            let cached = match (a.cached_hit, a.cached_miss) {
+                (Some(h), Some(m)) => format!(", cached_tokens {h:.0} vs {m:.0}"),
+                _ => String::new(),
+            };
+            let _ = writeln!(
+                t,
+                "  cache_salt, {}: hit {:.1} ms vs miss {:.1} ms, KS p = {:.2e}{cached}, {} samples: {}",
+                a.name, tm.hit_median_ms, tm.miss_median_ms, tm.ks.p, tm.samples, a.verdict
             );
         }
         for n in &self.found.notes {

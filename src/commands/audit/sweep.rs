@@ -24,10 +24,8 @@
 //! was not computed from its own text (`long-prompt-not-computed`).
 
 use super::client::{Client, Completion, Stop};
-use super::probes::{
-    self, CANARIES, CoherencePoint, Finding, Found, Keys, Rule, SweepPoint, Texts, hash,
-    ok_or_stop, victim_prompt, words_for,
-};
+use super::found::{CoherencePoint, Finding, Found, Rule, SweepPoint};
+use super::probes::{self, CANARIES, Keys, Texts, hash, ok_or_stop, victim_prompt, words_for};
 
 /// The shortest length probed: about a page of KV.
 const PAGE: usize = 16;
