@@ -276,12 +276,7 @@ impl Client {
             let mut pending = String::new();
             while let Some(chunk) = resp.chunk().await.context("reading the stream")? {
                 pending.push_str(&String::from_utf8_lossy(&chunk));
-                while let Some(at) = pending.find('\n') {
-                    let line: String = pending.drain(..=at).collect();
-                    let Some(data) = line.trim().strip_prefix("data:") else {
-                        continue;
-                    };
-                    let v: Value = serde_json::from_str(data.trim()).unwrap_or(Value::Null);
+                for v in sse_events(&mut pending) {
                     let choice = &v["choices"][0];
                     if let Some(text) = choice["text"].as_str().filter(|t| !t.is_empty()) {
                         out.text.push_str(text);
@@ -384,16 +379,7 @@ impl Client {
             let mut cached_tokens = None;
             while let Some(chunk) = resp.chunk().await.context("reading the stream")? {
                 pending.push_str(&String::from_utf8_lossy(&chunk));
-                while let Some(at) = pending.find('\n') {
-                    let line: String = pending.drain(..=at).collect();
-                    let Some(data) = line.trim().strip_prefix("data:") else {
-                        continue;
-                    };
-                    let data = data.trim();
-                    if data == "[DONE]" {
-                        continue;
-                    }
-                    let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+                for v in sse_events(&mut pending) {
                     if first.is_none()
                         && v["choices"][0]["text"]
                             .as_str()
@@ -433,6 +419,21 @@ pub struct FirstToken {
     /// `usage.prompt_tokens_details.cached_tokens`, where the server
     /// reported it (when asked for).
     pub cached_tokens: Option<u64>,
+}
+
+/// The server-sent events whole lines of `pending` hold, parsed (`data:`
+/// lines; `[DONE]` and other lines skipped); a partial last line stays.
+fn sse_events(pending: &mut String) -> Vec<Value> {
+    let mut events = Vec::new();
+    while let Some(at) = pending.find('\n') {
+        let line: String = pending.drain(..=at).collect();
+        if let Some(data) = line.trim().strip_prefix("data:").map(str::trim)
+            && data != "[DONE]"
+        {
+            events.push(serde_json::from_str(data).unwrap_or(Value::Null));
+        }
+    }
+    events
 }
 
 /// The message of an OpenAI-style error body (`error.message`), or the body.
