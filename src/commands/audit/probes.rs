@@ -451,6 +451,15 @@ const EXTEND_AFTER_MS: u64 = 20_000;
 /// write into the probe's answer slots. The extension is sent when the
 /// probe's first token has come back — mid-answer however slow the server
 /// is — and at the latest after `EXTEND_AFTER_MS`.
+///
+/// Each round has a legal neighbour at the same moment: a request of the
+/// same shape extending another prompt, which shares nothing with the
+/// probe. Where the probe answers as alone beside every neighbour (the
+/// server's outputs do not change with what runs beside them, shown in this
+/// very timing), an answer that differs from it beside the extension of its
+/// own prompt is a finding. This does not lean on the concurrent phase's
+/// control rounds, which a server that lets requests write into each
+/// other's pages makes disagree under load.
 async fn extended_while_answering(
     client: &Client,
     keys: &Keys<'_>,
@@ -459,33 +468,87 @@ async fn extended_while_answering(
     stable: bool,
     found: &mut Found,
 ) -> Result<(), Stop> {
-    let mut outs = Vec::new();
+    const OWN: &str = "request extending its prompt";
+    const OTHER: &str = "request extending another prompt";
+    let alone = ok_or_stop(
+        client
+            .complete(keys.probe, &probe.prompt, probe.max_tokens)
+            .await,
+    )?;
+    let another = texts.words(probe.prompt.split(' ').count());
+    let mut extended = Vec::new();
+    let mut beside = Vec::new();
     for _ in 0..CANARIES {
         let canary = texts.canary();
-        let extension = format!("{} {}", probe.prompt, victim_prompt(&canary, 40));
-        let (under_way, told) = tokio::sync::oneshot::channel();
-        let (answer, other) = futures_util::future::join(
-            client.complete_telling(keys.probe, &probe.prompt, probe.max_tokens, under_way),
-            async {
-                // Told, or the probe refused (the sender dropped), or late.
-                let _ = tokio::time::timeout(Duration::from_millis(EXTEND_AFTER_MS), told).await;
-                client.complete(keys.probe, &extension, 4).await
-            },
-        )
-        .await;
-        ok_or_stop(other)?;
-        outs.push((canary, ok_or_stop(answer)?));
+        for (base, outs) in [(&probe.prompt, &mut extended), (&another, &mut beside)] {
+            let next_turn = format!("{base} {}", victim_prompt(&canary, 40));
+            let answer = answer_while_sent(client, keys.probe, probe, &next_turn).await?;
+            outs.push((canary.clone(), answer));
+        }
     }
     found.noninterference_pairs += 1;
-    judge(
-        found,
-        probe.name,
-        "request extending its prompt",
-        "concurrent",
-        &outs,
-        stable,
-    );
+    if quoted(found, probe.name, OWN, "concurrent", &extended)
+        || quoted(found, probe.name, OTHER, "concurrent", &beside)
+    {
+        return Ok(());
+    }
+    let as_alone = |o: &Completion| o.served_text() && o.text == alone.text;
+    let invariant = found.determinism.deterministic
+        && alone.served_text()
+        && beside.iter().all(|(_, o)| as_alone(o));
+    if !invariant {
+        if found.determinism.deterministic {
+            found.notes.push(format!(
+                "the {}'s output beside a {OTHER} was not its answer alone: not compared with it",
+                probe.name
+            ));
+        }
+        judge(found, probe.name, OWN, "concurrent", &extended, stable);
+        return Ok(());
+    }
+    let differ: Vec<&(String, Completion)> =
+        extended.iter().filter(|(_, o)| !as_alone(o)).collect();
+    if !differ.is_empty() {
+        found.findings.push(Finding {
+            rule: Rule::OutputDependsOnOtherRequest,
+            message: format!(
+                "the {}'s greedy output, beside a {OWN}, differs from its answer alone in {} of \
+                 {} rounds; beside a {OTHER} at the same moment it answered as alone in every round",
+                probe.name,
+                differ.len(),
+                extended.len()
+            ),
+            evidence: serde_json::json!({
+                "probe": probe.name, "victim": OWN, "mode": "concurrent",
+                "canaries": differ.iter().map(|(c, _)| c).collect::<Vec<_>>(),
+                "output_hashes": differ.iter().map(|(_, o)| hash(&o.text)).collect::<Vec<_>>(),
+                "alone_output_hash": hash(&alone.text),
+            }),
+        });
+    }
     Ok(())
+}
+
+/// The probe's answer, with `beside` sent by `key` when the answer's first
+/// token comes back (or after `EXTEND_AFTER_MS`).
+async fn answer_while_sent(
+    client: &Client,
+    key: Option<&str>,
+    probe: &Probe,
+    beside: &str,
+) -> Result<Completion, Stop> {
+    let (under_way, told) = tokio::sync::oneshot::channel();
+    let (answer, other) = futures_util::future::join(
+        client.complete_telling(key, &probe.prompt, probe.max_tokens, under_way),
+        async {
+            // Told, or the probe refused (the sender dropped), or late.
+            let _ = tokio::time::timeout(Duration::from_millis(EXTEND_AFTER_MS), told).await;
+            client.complete(key, beside, 4).await
+        },
+    )
+    .await;
+    ok_or_stop(other)?;
+    ok_or_stop(answer)
 }
 
 /// Rounds of one side-by-side pairing: canary sets 0, 1, 0, 2 — the

@@ -60,16 +60,20 @@ impl Report {
                 "NOT deterministic"
             }
         );
-        let _ = writeln!(
-            t,
-            "  noninterference: {} probe/victim comparisons ({})",
-            self.found.noninterference_pairs,
-            if self.cross_tenant {
-                "probe and victim on different keys"
-            } else {
-                "one key: cross-request only"
-            }
-        );
+        // Nothing to say when the phase was not run (or stopped before its
+        // first comparison, which a note says).
+        if self.found.noninterference_pairs > 0 {
+            let _ = writeln!(
+                t,
+                "  noninterference: {} probe/victim comparisons ({})",
+                self.found.noninterference_pairs,
+                if self.cross_tenant {
+                    "probe and victim on different keys"
+                } else {
+                    "one key: cross-request only"
+                }
+            );
+        }
         if !self.found.coherence.is_empty() {
             let points: Vec<String> = self
                 .found
