@@ -306,7 +306,7 @@ fn a_pool_smaller_than_the_context_is_found_without_being_told() {
         );
         // The audit as by default (no --pool-limit) up to its length probes,
         // which come first; the budget then stops it (the whole default
-        // audit of this server is in the README: exit 1 with this finding).
+        // audit of this server is in docs/audit.md: exit 1 with this finding).
         let (code, report, stderr) = audit_json_sized(
             &server.listen(),
             "80",

@@ -12,7 +12,7 @@
 //!
 //! Resident memory is sampled and written but not asserted: it depends on
 //! the allocator and the machine. The full soak (100,000 requests, release
-//! build) is in the README.
+//! build) is in docs/sanitizer.md.
 
 mod shim_common;
 

@@ -1,5 +1,5 @@
 //! No top-level module of a crate imports one that imports it back: the
-//! layering the README's Layout describes (fail points a leaf, scenarios and
+//! layering docs/layout.md describes (fail points a leaf, scenarios and
 //! the scheduler apart, error types imported by their subsystems and not the
 //! other way) holds for every crate of the workspace, and a change that
 //! closes a loop fails here with the two modules and a line of each side.

@@ -9,7 +9,7 @@ test, exit status 1. It accepts `cache_salt` and ignores it: a prefix
 cached under one salt serves the same key's request with another salt,
 and another key's with the same salt (the salt assertions, each paired
 with the control that hits). The scheduling-order phase is not run here:
-the server answers one request at a time in arrival order (the README
+the server answers one request at a time in arrival order (docs/audit.md
 shows the phase's run on it).
 
 `scripts/test` builds llama-cpp-python from source into this virtual

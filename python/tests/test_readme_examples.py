@@ -1,5 +1,5 @@
-"""The README's adapter examples run as printed, each in a fresh process,
-and say what the README says they say."""
+"""The adapter examples of docs/python.md run as printed, each in a fresh
+process, and say what the page says they say."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "python.md"
 
 
 def example(heading: str) -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index(heading)
     block = re.search(r"```python\n(.*?)```", text[start:], re.S)
     assert block, f"no python example under {heading}"
@@ -24,8 +24,8 @@ def example(heading: str) -> str:
 @pytest.mark.parametrize(
     "heading, module, finding",
     [
-        ("### vLLM: `kvsan.vllm`", "vllm.v1.core.kv_cache_manager", "double-free"),
-        ("### SGLang: `kvsan.sglang`", "sglang.srt.mem_cache.radix_cache", "double-alloc"),
+        ("## vLLM: `kvsan.vllm`", "vllm.v1.core.kv_cache_manager", "double-free"),
+        ("## SGLang: `kvsan.sglang`", "sglang.srt.mem_cache.radix_cache", "double-alloc"),
     ],
 )
 def test_adapter_example_runs(heading, module, finding, tmp_path):
