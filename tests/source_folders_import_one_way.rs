@@ -22,6 +22,7 @@ const CRATES: &[&str] = &[
     "sanitizer/src",
     "kernels/src",
     "shim/src",
+    "audit/src",
 ];
 
 /// Every `.rs` file below `dir`.

@@ -1,6 +1,6 @@
 //! One module per subcommand.
 
-pub mod audit;
+pub use kvsan_audit as audit;
 pub mod bench;
 pub mod engine_args;
 pub mod fault;

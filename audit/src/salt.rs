@@ -188,9 +188,9 @@ fn finding(rule: Rule, what: &str, arm: &SaltArm) -> Finding {
 #[cfg(test)]
 mod tests {
     use super::{judge, verdict};
-    use crate::commands::audit::found::Timing;
-    use crate::commands::audit::ks::Ks;
-    use crate::commands::audit::probes::Arm;
+    use crate::found::Timing;
+    use crate::ks::Ks;
+    use crate::probes::Arm;
 
     fn arm(p: f64, effect_ms: f64, cached_hit: &[u64], cached_miss: &[u64]) -> Arm {
         Arm {
