@@ -492,10 +492,11 @@ async fn extended_while_answering(
     {
         return Ok(());
     }
-    let as_alone = |o: &Completion| o.served_text() && o.text == alone.text;
     let invariant = found.determinism.deterministic
         && alone.served_text()
-        && beside.iter().all(|(_, o)| as_alone(o));
+        && beside
+            .iter()
+            .all(|(_, o)| o.served_text() && o.text == alone.text);
     if !invariant {
         if found.determinism.deterministic {
             found.notes.push(format!(
@@ -506,27 +507,50 @@ async fn extended_while_answering(
         judge(found, probe.name, OWN, "concurrent", &extended, stable);
         return Ok(());
     }
-    let differ: Vec<&(String, Completion)> =
-        extended.iter().filter(|(_, o)| !as_alone(o)).collect();
-    if !differ.is_empty() {
-        found.findings.push(Finding {
-            rule: Rule::OutputDependsOnOtherRequest,
-            message: format!(
-                "the {}'s greedy output, beside a {OWN}, differs from its answer alone in {} of \
-                 {} rounds; beside a {OTHER} at the same moment it answered as alone in every round",
-                probe.name,
-                differ.len(),
-                extended.len()
-            ),
-            evidence: serde_json::json!({
-                "probe": probe.name, "victim": OWN, "mode": "concurrent",
-                "canaries": differ.iter().map(|(c, _)| c).collect::<Vec<_>>(),
-                "output_hashes": differ.iter().map(|(_, o)| hash(&o.text)).collect::<Vec<_>>(),
-                "alone_output_hash": hash(&alone.text),
-            }),
-        });
-    }
+    differs_from_alone(
+        found,
+        [probe.name, OWN, "concurrent"],
+        &alone,
+        &extended,
+        &format!("while beside a {OTHER} at the same moment it answered as alone in every round"),
+    );
     Ok(())
+}
+
+/// An `output-depends-on-other-request` finding when served outputs of
+/// `rounds` (each with its canary) differ from the probe's answer `alone`;
+/// `why` says what makes the answer alone the reference; the probe, the
+/// victim's shape and the mode name the pattern. Whether a finding was made.
+fn differs_from_alone(
+    found: &mut Found,
+    [probe, shape, mode]: [&str; 3],
+    alone: &Completion,
+    rounds: &[(String, Completion)],
+    why: &str,
+) -> bool {
+    let differ: Vec<&(String, Completion)> = rounds
+        .iter()
+        .filter(|(_, o)| o.served_text() && o.text != alone.text)
+        .collect();
+    if differ.is_empty() {
+        return false;
+    }
+    found.findings.push(Finding {
+        rule: Rule::OutputDependsOnOtherRequest,
+        message: format!(
+            "the {probe}'s greedy output ({mode}, with a {shape}) differs from its answer alone \
+             in {} of {} rounds, {why}",
+            differ.len(),
+            rounds.len()
+        ),
+        evidence: serde_json::json!({
+            "probe": probe, "victim": shape, "mode": mode,
+            "canaries": differ.iter().map(|(c, _)| c).collect::<Vec<_>>(),
+            "output_hashes": differ.iter().map(|(_, o)| hash(&o.text)).collect::<Vec<_>>(),
+            "alone_output_hash": hash(&alone.text),
+        }),
+    });
+    true
 }
 
 /// The probe's answer, with `beside` sent by `key` when the answer's first
@@ -785,30 +809,16 @@ fn judge_controlled(
         return;
     }
     let deterministic = found.determinism.deterministic;
-    if let Some(alone) = pattern.alone.filter(|a| deterministic && a.served_text()) {
-        let differ: Vec<&(String, Completion)> = quotes
-            .iter()
-            .filter(|(_, o)| o.served_text() && o.text != alone.text)
-            .collect();
-        if !differ.is_empty() {
-            found.findings.push(Finding {
-                rule: Rule::OutputDependsOnOtherRequest,
-                message: format!(
-                    "the {probe}'s greedy output ({mode}, with a {shape}) differs from its answer \
-                     alone in {} of {} rounds, on a server whose outputs do not change under load \
-                     otherwise",
-                    differ.len(),
-                    quotes.len()
-                ),
-                evidence: serde_json::json!({
-                    "probe": probe, "victim": shape, "mode": mode,
-                    "canaries": differ.iter().map(|(c, _)| c).collect::<Vec<_>>(),
-                    "output_hashes": differ.iter().map(|(_, o)| hash(&o.text)).collect::<Vec<_>>(),
-                    "alone_output_hash": hash(&alone.text),
-                }),
-            });
-            return;
-        }
+    if let Some(alone) = pattern.alone.filter(|a| deterministic && a.served_text())
+        && differs_from_alone(
+            found,
+            [probe, shape, mode],
+            alone,
+            &quotes,
+            "on a server whose outputs do not change under load otherwise",
+        )
+    {
+        return;
     }
     let controls_agree = rounds[0].1.text == rounds[2].1.text;
     if deterministic && !controls_agree {
