@@ -3,7 +3,9 @@
 //! the list's hooks, in its order, with the listed function types; each of
 //! those typedefs takes `void *ctx` and the listed C arguments; and each
 //! `kvsan_*` function of the list is declared with the arguments its shape
-//! gives it. (Sizes and offsets: `shim_header_matches_the_rust_layout.rs`.)
+//! gives it; so is each batch check of `for_each_batch_layout!`, over host
+//! and over device buffers. (Sizes and offsets:
+//! `shim_header_matches_the_rust_layout.rs`.)
 
 use std::path::Path;
 
@@ -184,5 +186,81 @@ fn each_listed_c_function_is_declared_with_the_arguments_of_its_shape() {
             other => panic!("{}: unknown shape {other}", export.name),
         }
         assert_eq!(got, want, "{}", export.name);
+    }
+}
+
+/// The C parameter types of a batch check of the list
+/// (`kvsan_sanitizer::for_each_batch_layout!`): over host buffers, or over
+/// device buffers (then `device` after `pool`, and each buffer a device
+/// address).
+fn batch_check_types(layout: kvsan_sanitizer::BatchLayout, device: bool) -> Vec<String> {
+    use kvsan_sanitizer::layouts::{Extent, Param};
+    let mut want = vec!["uint32_t".to_string()];
+    if device {
+        want.push("int32_t".into());
+    }
+    want.extend(["const KvsanOwner*".into(), "size_t".into()]);
+    for param in layout.params() {
+        match *param {
+            Param::Array { array, value } => {
+                want.push(if device {
+                    "uint64_t".into()
+                } else {
+                    format!("const {value}*")
+                });
+                if let Extent::Own(_) = array.extent {
+                    want.push("size_t".into());
+                }
+            }
+            Param::Scalar(_) => want.push("size_t".into()),
+        }
+    }
+    want.extend([
+        "KvsanRange".into(),
+        "uint64_t".into(),
+        "KvsanVerdict*".into(),
+    ]);
+    want
+}
+
+#[test]
+fn each_listed_batch_check_is_declared_for_host_and_device_buffers() {
+    let header = header();
+    let layouts = kvsan_sanitizer::BatchLayout::ALL;
+    assert_eq!(layouts.len(), 4);
+    for &layout in layouts {
+        let (host, device) = layout.exports();
+        for (name, on_device) in [(host, false), (device, true)] {
+            let call = format!(" {name}(");
+            let at = header
+                .find(&call)
+                .unwrap_or_else(|| panic!("kvsan.h does not declare {name}"));
+            let returns = header[..at].split_whitespace().last();
+            assert_eq!(returns, Some("int32_t"), "{name}");
+            let got = parameter_types(parenthesised(&header, at + call.len()));
+            assert_eq!(got, batch_check_types(layout, on_device), "{name}");
+        }
+    }
+}
+
+#[test]
+fn the_header_declares_no_batch_check_outside_the_list() {
+    let header = header();
+    let listed: Vec<&str> = kvsan_sanitizer::BatchLayout::ALL
+        .iter()
+        .flat_map(|l| {
+            let (host, device) = l.exports();
+            [host, device]
+        })
+        .collect();
+    for (at, _) in header.match_indices(" kvsan_check_") {
+        let name: String = header[at + 1..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if name == "kvsan_check_version" || name == "kvsan_check_count" {
+            continue;
+        }
+        assert!(listed.contains(&name.as_str()), "{name} is not in the list");
     }
 }

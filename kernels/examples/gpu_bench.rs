@@ -206,12 +206,12 @@ fn one_context(
     let d_lens = stream.clone_htod(&lens).map_err(|e| e.to_string())?;
     let engine = EngineBatch::BlockTable {
         block_table: d_table.as_view(),
-        row_stride: per_row,
+        stride: per_row,
         seq_lens: d_lens.as_view(),
     };
     let (check, check_call) = time(kernels, iters, || {
         let found = kernels
-            .check_engine_batch(&mut shadow, &owners, &engine, 0..1)
+            .check_engine_batch(&mut shadow, &owners, &engine, 0..1, false)
             .map_err(|e| e.to_string())?;
         if found.is_empty() {
             Ok(())

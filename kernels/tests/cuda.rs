@@ -1723,11 +1723,11 @@ fn the_check_kernels_refuse_an_engines_wrong_row_length_and_slot_as_the_host_doe
         let buffer = device_buffer(&kernels, &table);
         let batch = EngineBatch::BlockTable {
             block_table: buffer.as_view(),
-            row_stride: 2,
+            stride: 2,
             seq_lens: lens.as_view(),
         };
         let found = kernels
-            .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+            .check_engine_batch(&mut shadow, &owners, &batch, 0..2, false)
             .expect("check");
         assert_eq!(kinds(&found), expected, "table {table:?}");
         let host_lens = kernels_host_lens(lens);
@@ -1748,7 +1748,7 @@ fn the_check_kernels_refuse_an_engines_wrong_row_length_and_slot_as_the_host_doe
         last_page_len: last.as_view(),
     };
     let found = kernels
-        .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+        .check_engine_batch(&mut shadow, &owners, &batch, 0..2, false)
         .expect("check");
     assert_eq!(kinds(&found), [(1, Some(ViolationKind::ForeignRead))]);
     let table: Vec<i32> = (0..21).chain(32..48).collect();
@@ -1756,12 +1756,12 @@ fn the_check_kernels_refuse_an_engines_wrong_row_length_and_slot_as_the_host_doe
     let reqs = device_buffer(&kernels, &[0i32, 0]);
     let batch = EngineBatch::ReqToToken {
         req_to_token: req_to_token.as_view(),
-        row_stride: 21,
+        stride: 21,
         req_indices: reqs.as_view(),
         seq_lens: seq_lens.as_view(),
     };
     let found = kernels
-        .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+        .check_engine_batch(&mut shadow, &owners, &batch, 0..2, false)
         .expect("check");
     assert_eq!(kinds(&found), [(1, Some(ViolationKind::ForeignRead))]);
 
@@ -1772,10 +1772,9 @@ fn the_check_kernels_refuse_an_engines_wrong_row_length_and_slot_as_the_host_doe
     let batch = EngineBatch::SlotMapping {
         query_start_loc: starts.as_view(),
         slot_mapping: slots.as_view(),
-        record: true,
     };
     let found = kernels
-        .check_engine_batch(&mut shadow, &owners, &batch, 0..2)
+        .check_engine_batch(&mut shadow, &owners, &batch, 0..2, true)
         .expect("check");
     assert_eq!(kinds(&found), [(1, Some(ViolationKind::ForeignWrite))]);
     assert_eq!(found[0].index, Some(2));

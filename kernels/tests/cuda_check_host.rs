@@ -28,7 +28,7 @@ use kvsan_kernels::cuda::source::{
     REFUSED_OUTSIDE_TABLE,
 };
 use kvsan_kernels::cuda::{
-    EngineFinding, EngineLayout, EngineRefusal, decode_engine_refusals, may_record,
+    BatchLayout, EngineFinding, EngineRefusal, decode_engine_refusals, may_record,
 };
 use kvsan_sanitizer::{
     NodeRole, Options, Owner, PageId, PageRef, PoolGeometry, PoolId, Sanitizer, SanitizerError,
@@ -187,12 +187,12 @@ enum Buffers {
 }
 
 impl Buffers {
-    fn layout(&self) -> EngineLayout {
+    fn layout(&self) -> BatchLayout {
         match self {
-            Buffers::BlockTable { .. } => EngineLayout::BlockTable,
-            Buffers::Csr { .. } => EngineLayout::PagedCsr,
-            Buffers::ReqToToken { .. } => EngineLayout::ReqToToken,
-            Buffers::Slots { .. } => EngineLayout::SlotMapping,
+            Buffers::BlockTable { .. } => BatchLayout::BlockTable,
+            Buffers::Csr { .. } => BatchLayout::PagedCsr,
+            Buffers::ReqToToken { .. } => BatchLayout::ReqToToken,
+            Buffers::Slots { .. } => BatchLayout::SlotMapping,
         }
     }
 }
@@ -224,7 +224,7 @@ fn device(
     // As `CudaKernels::check_engine_batch` does: a store check looks, then
     // records only if `may_record` says so.
     let first = run(world, owners, buffers, layers.clone(), grid, false);
-    if buffers.layout() == EngineLayout::SlotMapping && may_record(&first.refusals) {
+    if buffers.layout() == BatchLayout::SlotMapping && may_record(&first.refusals) {
         let second = run(world, owners, buffers, layers, grid, true);
         assert_eq!(
             second.refusals, first.refusals,
@@ -246,10 +246,10 @@ fn run(
 ) -> Device {
     let (records, bits) = world.words();
     let layout = match buffers.layout() {
-        EngineLayout::BlockTable => 0,
-        EngineLayout::PagedCsr => 1,
-        EngineLayout::ReqToToken => 2,
-        EngineLayout::SlotMapping => 3,
+        BatchLayout::BlockTable => 0,
+        BatchLayout::PagedCsr => 1,
+        BatchLayout::ReqToToken => 2,
+        BatchLayout::SlotMapping => 3,
     };
     let mut input = format!(
         "{layout}\n{} {} {} {} {} {} {grid} {block}\n",
@@ -426,7 +426,7 @@ fn agree(
             );
         }
     }
-    if buffers.layout() == EngineLayout::SlotMapping {
+    if buffers.layout() == BatchLayout::SlotMapping {
         assert_eq!(dev.bits, world.words().1, "written words; {}", context());
     }
     dev.refusals

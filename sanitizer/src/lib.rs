@@ -12,6 +12,7 @@
 //! | --- | --- |
 //! | `block_table` | `BlockTable`: a request's pages, and which pages and slots hold tokens `a..b` |
 //! | `hooks` | the one list of hooks (`for_each_hook!`), from which the hook table, the engine's hook trait and the shim's C functions are generated; `Hook` |
+//! | `layouts` | the one list of batch layouts (`for_each_batch_layout!`): the buffers an engine hands its attention and store kernels, from which the layout enum, the shim's `kvsan_check_*` functions and the device checks' batches are generated |
 //! | `abi` | the C ABI: `#[repr(C)]` hook table, page refs, manifests, verdicts, status codes, the kernel shadow's C description |
 //! | `ids` | pool, page, generation, request, tenant, owner ids (crate `kvsan-ids`, re-exported) |
 //! | `geometry` | `PoolGeometry`, `NodeRole` |
@@ -37,6 +38,7 @@ pub mod history;
 pub mod hooks;
 pub mod ids;
 pub mod kernel_shadow;
+pub mod layouts;
 pub mod lifecycle;
 pub mod options;
 mod pool;
@@ -59,6 +61,7 @@ pub use history::{EventKind, HistoryEvent};
 pub use hooks::Hook;
 pub use ids::{Generation, Owner, PageId, PageRef, PoolId, RequestId, TenantId};
 pub use kernel_shadow::{AccessOp, Check, KernelAccess, KernelShadow};
+pub use layouts::{Batch, BatchLayout};
 pub use lifecycle::{RequestEvent, RequestState, Scope, Transition};
 pub use options::{OnViolation, Options, ReportFormat, SharePolicy};
 pub use report::{PageReport, Report, ReportBuffer};

@@ -24,10 +24,12 @@ use kvsan_sanitizer::abi::{
 use kvsan_sanitizer::{Verdict, ViolationKind};
 
 use crate::attach::{Attach, attach, sanitizer};
-use crate::buffers::DeviceBuffers;
+use crate::buffers::{CArray, CPointers};
 use crate::calls;
 use crate::error::ShimError;
 use crate::guard::{guarded, record, refused_calls, with_last_error};
+use kvsan_sanitizer::Batch;
+use kvsan_sanitizer::layouts::{Addresses, DeviceArray};
 
 /// Runs `body` for `call` and writes its verdict to `verdict_out`.
 ///
@@ -454,319 +456,142 @@ unsafe fn batch(
     })
 }
 
-/// Checks an attention launch over a padded block table (vLLM,
-/// FlashAttention): row `r`, of request `owners[r]`, reads `seq_lens[r]`
-/// tokens through `block_table[r * stride ...]`. Writes one verdict per row.
-///
-/// # Safety
-/// - `owners`, `seq_lens` and `verdicts_out` hold `rows` entries and
-///   `block_table` `table_len` (each may be null when its length is 0).
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_block_table(
-    pool: u32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    block_table: *const i32,
-    table_len: usize,
-    stride: usize,
-    seq_lens: *const i32,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_block_table";
-    let arrays = calls::BatchArrays { owners, rows };
-    // SAFETY: the caller's contract on every pointer.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_block_table(
-                CALL,
-                pool,
-                arrays,
-                block_table,
-                table_len,
-                stride,
-                seq_lens,
-                layers,
-                step,
-            )
-        })
-    }
-}
-
-/// Checks an attention launch over pages in CSR form (FlashInfer): row `r`
-/// reads pages `indices[indptr[r] .. indptr[r + 1]]`, full but the last,
-/// which holds `last_page_len[r]` tokens. Writes one verdict per row.
-///
-/// # Safety
-/// - `owners`, `last_page_len` and `verdicts_out` hold `rows` entries,
-///   `indptr` `rows + 1` and `indices` `nnz`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_paged_csr(
-    pool: u32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    indptr: *const i32,
-    indices: *const i32,
-    nnz: usize,
-    last_page_len: *const i32,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_paged_csr";
-    let arrays = calls::BatchArrays { owners, rows };
-    // SAFETY: the caller's contract on every pointer.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_paged_csr(
-                CALL,
-                pool,
-                arrays,
-                indptr,
-                indices,
-                nnz,
-                last_page_len,
-                layers,
-                step,
-            )
-        })
-    }
-}
-
-/// Checks an attention launch over a token-level table (SGLang): row `r`
-/// reads `seq_lens[r]` tokens at locations `req_to_token[req_indices[r] *
-/// stride ...]` (page * page_slots + slot). Writes one verdict per row.
-///
-/// # Safety
-/// - `owners`, `req_indices`, `seq_lens` and `verdicts_out` hold `rows`
-///   entries and `req_to_token` `table_len`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_req_to_token(
-    pool: u32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    req_to_token: *const i32,
-    table_len: usize,
-    stride: usize,
-    req_indices: *const i32,
-    seq_lens: *const i32,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_req_to_token";
-    let arrays = calls::BatchArrays { owners, rows };
-    // SAFETY: the caller's contract on every pointer.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_req_to_token(
-                CALL,
-                pool,
-                arrays,
-                req_to_token,
-                table_len,
-                stride,
-                req_indices,
-                seq_lens,
-                layers,
-                step,
-            )
-        })
-    }
-}
-
-/// Checks a store launch: the tokens `query_start_loc[r] .. [r + 1]` are
-/// row `r`'s and token `t` stores its KV at location `slot_mapping[t]`
-/// (page * page_slots + slot; -1 is padding). Each slot stored is recorded
-/// written. Writes one verdict per row.
-///
-/// # Safety
-/// - `owners` and `verdicts_out` hold `rows` entries, `query_start_loc`
-///   `rows + 1` and `slot_mapping` `tokens`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_slot_mapping(
-    pool: u32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    query_start_loc: *const i32,
-    slot_mapping: *const i64,
-    tokens: usize,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_slot_mapping";
-    let arrays = calls::BatchArrays { owners, rows };
-    // SAFETY: the caller's contract on every pointer.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_slot_mapping(
-                CALL,
-                pool,
-                arrays,
-                query_start_loc,
-                slot_mapping,
-                tokens,
-                layers,
-                step,
-            )
-        })
-    }
-}
-
-/// [`kvsan_check_block_table`] over device buffers on CUDA device `device`
-/// (`block_table` and `seq_lens` are device addresses); see `kvsan.h`.
-///
-/// # Safety
-/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
-/// - `block_table` is a live device allocation of `table_len` `int32_t`
-///   and `seq_lens` one of `rows`, on device `device`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_block_table_device(
-    pool: u32,
-    device: i32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    block_table: u64,
-    table_len: usize,
-    stride: usize,
-    seq_lens: u64,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_block_table_device";
-    let arrays = calls::BatchArrays { owners, rows };
-    let buffers = DeviceBuffers::BlockTable {
-        block_table,
-        table_len,
-        stride,
-        seq_lens,
+/// The batch checks' C functions, two for each layout of
+/// `kvsan_sanitizer::for_each_batch_layout!`: `kvsan_check_<layout>` over
+/// host buffers and `kvsan_check_<layout>_device` over device buffers (see
+/// `kvsan.h` for their contracts). Each takes `pool` (the device one then
+/// `device`), `owners` and `rows`, the layout's arguments in list order (a
+/// buffer whose length is its own is followed by that length), then
+/// `layers`, `step` and `verdicts_out`, and writes one verdict per row.
+macro_rules! batch_exports {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident = $check:ident, $access:ident, export($host:ident, $device:ident) (
+            $($(#[$fdoc:meta])* $field:ident: $spec:tt),* $(,)?
+        );
+    )*) => {
+        $(
+            batch_export! { @host $host $variant rows [$(#[$doc])*] [] [] $($field: $spec,)* }
+            batch_export! { @device $device $host $variant rows [] [] $($field: $spec,)* }
+        )*
     };
-    // SAFETY: the caller's contract on every pointer and address.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
-        })
-    }
 }
 
-/// [`kvsan_check_paged_csr`] over device buffers on CUDA device `device`.
-///
-/// # Safety
-/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
-/// - `indptr` (`rows + 1`), `indices` (`nnz`) and `last_page_len` (`rows`)
-///   are live device allocations of `int32_t` on device `device`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_paged_csr_device(
-    pool: u32,
-    device: i32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    indptr: u64,
-    indices: u64,
-    nnz: usize,
-    last_page_len: u64,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_paged_csr_device";
-    let arrays = calls::BatchArrays { owners, rows };
-    let buffers = DeviceBuffers::PagedCsr {
-        indptr,
-        indices,
-        nnz,
-        last_page_len,
+/// One C function of [`batch_exports!`], its parameters and its `Batch`
+/// gathered one layout argument at a time (`$rows` threads the one `rows`
+/// identifier through, so the lengths below can name it).
+macro_rules! batch_export {
+    // A host buffer of one value per row, of offsets, of its own length;
+    // a scalar.
+    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
+        $field:ident: [$v:ident; rows], $($rest:tt)*) => {
+        batch_export! { @host $name $variant $rows $docs
+            [$($p)* $field: *const $v,] [$($f)* $field: CArray { ptr: $field, len: $rows },] $($rest)* }
     };
-    // SAFETY: the caller's contract on every pointer and address.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
-        })
-    }
+    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
+        $field:ident: [$v:ident; offsets], $($rest:tt)*) => {
+        batch_export! { @host $name $variant $rows $docs
+            [$($p)* $field: *const $v,]
+            [$($f)* $field: CArray { ptr: $field, len: $rows.saturating_add(1) },] $($rest)* }
+    };
+    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
+        $field:ident: [$v:ident; $len:ident], $($rest:tt)*) => {
+        batch_export! { @host $name $variant $rows $docs
+            [$($p)* $field: *const $v, $len: usize,] [$($f)* $field: CArray { ptr: $field, len: $len },]
+            $($rest)* }
+    };
+    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
+        $field:ident: usize, $($rest:tt)*) => {
+        batch_export! { @host $name $variant $rows $docs [$($p)* $field: usize,] [$($f)* $field,] $($rest)* }
+    };
+    (@host $name:ident $variant:ident $rows:ident [$($doc:tt)*] [$($p:tt)*] [$($f:tt)*]) => {
+        $($doc)*
+        ///
+        /// # Safety
+        /// - `owners` and `verdicts_out` hold `rows` entries, and each buffer
+        ///   the values `kvsan.h` gives it (each may be null when its length
+        ///   is 0).
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "C" fn $name(
+            pool: u32,
+            owners: *const KvsanOwner,
+            $rows: usize,
+            $($p)*
+            layers: KvsanRange,
+            step: u64,
+            verdicts_out: *mut KvsanVerdict,
+        ) -> AbiStatus {
+            const CALL: &str = stringify!($name);
+            let arrays = calls::BatchArrays { owners, rows: $rows };
+            let buffers = Batch::<CPointers>::$variant { $($f)* };
+            // SAFETY: the caller's contract on every pointer.
+            unsafe {
+                batch(CALL, $rows, verdicts_out, || {
+                    calls::check_batch(CALL, pool, arrays, &buffers, layers, step)
+                })
+            }
+        }
+    };
+    // The same over device addresses.
+    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
+        $field:ident: [$v:ident; rows], $($rest:tt)*) => {
+        batch_export! { @device $name $host $variant $rows
+            [$($p)* $field: u64,] [$($f)* $field: DeviceArray { address: $field, len: $rows },]
+            $($rest)* }
+    };
+    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
+        $field:ident: [$v:ident; offsets], $($rest:tt)*) => {
+        batch_export! { @device $name $host $variant $rows
+            [$($p)* $field: u64,]
+            [$($f)* $field: DeviceArray { address: $field, len: $rows.saturating_add(1) },]
+            $($rest)* }
+    };
+    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
+        $field:ident: [$v:ident; $len:ident], $($rest:tt)*) => {
+        batch_export! { @device $name $host $variant $rows
+            [$($p)* $field: u64, $len: usize,] [$($f)* $field: DeviceArray { address: $field, len: $len },]
+            $($rest)* }
+    };
+    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
+        $field:ident: usize, $($rest:tt)*) => {
+        batch_export! { @device $name $host $variant $rows [$($p)* $field: usize,] [$($f)* $field,] $($rest)* }
+    };
+    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]) => {
+        #[doc = concat!("[`", stringify!($host), "`] over device buffers on CUDA device `device`: ")]
+        /// each buffer is a device address, with its length in values as
+        /// for the host check; see `kvsan.h`.
+        ///
+        /// # Safety
+        /// - `owners` and `verdicts_out` hold `rows` entries (host memory);
+        /// - each buffer is a live device allocation on device `device` of
+        ///   the values `kvsan.h` gives it.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "C" fn $name(
+            pool: u32,
+            device: i32,
+            owners: *const KvsanOwner,
+            $rows: usize,
+            $($p)*
+            layers: KvsanRange,
+            step: u64,
+            verdicts_out: *mut KvsanVerdict,
+        ) -> AbiStatus {
+            const CALL: &str = stringify!($name);
+            let arrays = calls::BatchArrays { owners, rows: $rows };
+            let buffers = Batch::<Addresses>::$variant { $($f)* };
+            // SAFETY: the caller's contract on every pointer and address.
+            unsafe {
+                batch(CALL, $rows, verdicts_out, || {
+                    calls::check_device(CALL, pool, device, arrays, &buffers, layers, step)
+                })
+            }
+        }
+    };
 }
 
-/// [`kvsan_check_req_to_token`] over device buffers on CUDA device `device`.
-///
-/// # Safety
-/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
-/// - `req_to_token` (`table_len`), `req_indices` and `seq_lens` (`rows`
-///   each) are live device allocations of `int32_t` on device `device`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_req_to_token_device(
-    pool: u32,
-    device: i32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    req_to_token: u64,
-    table_len: usize,
-    stride: usize,
-    req_indices: u64,
-    seq_lens: u64,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_req_to_token_device";
-    let arrays = calls::BatchArrays { owners, rows };
-    let buffers = DeviceBuffers::ReqToToken {
-        req_to_token,
-        table_len,
-        stride,
-        req_indices,
-        seq_lens,
-    };
-    // SAFETY: the caller's contract on every pointer and address.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
-        })
-    }
-}
-
-/// [`kvsan_check_slot_mapping`] over device buffers on CUDA device `device`.
-///
-/// # Safety
-/// - `owners` and `verdicts_out` hold `rows` entries (host memory);
-/// - `query_start_loc` (`rows + 1` `int32_t`) and `slot_mapping` (`tokens`
-///   `int64_t`) are live device allocations on device `device`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn kvsan_check_slot_mapping_device(
-    pool: u32,
-    device: i32,
-    owners: *const KvsanOwner,
-    rows: usize,
-    query_start_loc: u64,
-    slot_mapping: u64,
-    tokens: usize,
-    layers: KvsanRange,
-    step: u64,
-    verdicts_out: *mut KvsanVerdict,
-) -> AbiStatus {
-    const CALL: &str = "kvsan_check_slot_mapping_device";
-    let arrays = calls::BatchArrays { owners, rows };
-    let buffers = DeviceBuffers::SlotMapping {
-        query_start_loc,
-        slot_mapping,
-        tokens,
-    };
-    // SAFETY: the caller's contract on every pointer and address.
-    unsafe {
-        batch(CALL, rows, verdicts_out, || {
-            calls::check_device(CALL, pool, device, arrays, buffers, layers, step)
-        })
-    }
-}
+kvsan_sanitizer::for_each_batch_layout!(batch_exports);
 
 /// Describes pool `pool`'s pages on CUDA device `device` to NVTX, for
 /// compute-sanitizer; see `kvsan.h`.

@@ -11,13 +11,14 @@ use kvsan_sanitizer::abi::{
     KVSAN_POOL_REPORTS_LANDING, KvsanKernelAccess, KvsanKernelShadow, KvsanManifest, KvsanOwner,
     KvsanPageLanding, KvsanPageRef, KvsanPoolGeometry, KvsanRange, event_from_code, role_from_code,
 };
+use kvsan_sanitizer::layouts::{Addresses, Array, Batch, DeviceArray, Host, MapBuffers};
 use kvsan_sanitizer::{
     Generation, Landing, Manifest, NodeRole, Owner, PageId, PageLanding, PageRef, PoolGeometry,
     PoolId, Sanitizer, Verdict,
 };
 
 use crate::attach::{sanitizer, say};
-use crate::buffers::{DeviceBuffers, device_ordinal};
+use crate::buffers::{CArray, CPointers, device_ordinal};
 use crate::error::ShimError;
 
 fn sanitizer_error(
@@ -107,6 +108,48 @@ pub(crate) struct BatchArrays {
     pub rows: usize,
 }
 
+/// The C pointers of a host batch check as slices, each checked by
+/// [`slice`] for the length its C function gives it.
+struct CSlices {
+    call: &'static str,
+}
+
+impl<'a> MapBuffers<'a, CPointers, Host<'a>> for CSlices {
+    type Error = ShimError;
+    fn i32(&mut self, array: Array, from: &'a CArray<i32>) -> Result<&'a [i32], ShimError> {
+        // SAFETY: `CSlices` is made only by `check_batch`, whose caller
+        // promises each pointer holds its length's values.
+        unsafe { slice(self.call, array.name, from.ptr, from.len) }
+    }
+    fn i64(&mut self, array: Array, from: &'a CArray<i64>) -> Result<&'a [i64], ShimError> {
+        // SAFETY: as for `i32`.
+        unsafe { slice(self.call, array.name, from.ptr, from.len) }
+    }
+}
+
+/// A batch check over host buffers (`kvsan_check_*`): the owners, then each
+/// buffer in list order, checked as [`slice`] checks one, then the
+/// sanitizer's host check of the layout.
+///
+/// # Safety
+/// - `rows.owners` as [`row_owners`];
+/// - every pointer of `batch` as [`slice`] for the length it carries.
+pub(crate) unsafe fn check_batch(
+    call: &'static str,
+    pool: u32,
+    rows: BatchArrays,
+    batch: &Batch<CPointers>,
+    layers: KvsanRange,
+    step: u64,
+) -> Result<Vec<Verdict>, ShimError> {
+    // SAFETY: the caller's contract on `owners`.
+    let owners = unsafe { row_owners(call, rows.owners, rows.rows) }?;
+    let host = batch.try_map(&mut CSlices { call })?;
+    san()?
+        .check_batch(PoolId(pool), &owners, &host, range(layers), step)
+        .map_err(sanitizer_error(call))
+}
+
 /// A batch check over device buffers (`kvsan_check_*_device`): the owners
 /// checked as the host checks check them, each device address non-null
 /// (when its length is not 0) and aligned for its values, then
@@ -114,21 +157,21 @@ pub(crate) struct BatchArrays {
 ///
 /// # Safety
 /// - `rows.owners` as [`row_owners`];
-/// - every address in `buffers` is a live device allocation of device
+/// - every address in `batch` is a live device allocation of device
 ///   `device` holding the values its length says (the header's contract).
 pub(crate) unsafe fn check_device(
     call: &'static str,
     pool: u32,
     device: i32,
     rows: BatchArrays,
-    buffers: DeviceBuffers,
+    batch: &Batch<Addresses>,
     layers: KvsanRange,
     step: u64,
 ) -> Result<Vec<Verdict>, ShimError> {
     // SAFETY: the caller's contract on `owners`.
     let owners = unsafe { row_owners(call, rows.owners, rows.rows) }?;
     let ordinal = device_ordinal(call, device)?;
-    for (argument, address, len, size) in buffers.arrays(rows.rows) {
+    for (argument, DeviceArray { address, len }, size) in batch.device_arrays() {
         if len == 0 {
             continue;
         }
@@ -155,7 +198,7 @@ pub(crate) unsafe fn check_device(
                 pool,
                 ordinal,
                 &owners,
-                buffers,
+                batch,
                 range(layers),
                 step,
             )
@@ -169,154 +212,6 @@ pub(crate) unsafe fn check_device(
             reason: "this library was built without the `cuda` feature".into(),
         })
     }
-}
-
-/// Attention over a padded block table (`kvsan_check_block_table`).
-///
-/// # Safety
-/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn check_block_table(
-    call: &'static str,
-    pool: u32,
-    rows: BatchArrays,
-    block_table: *const i32,
-    table_len: usize,
-    stride: usize,
-    seq_lens: *const i32,
-    layers: KvsanRange,
-    step: u64,
-) -> Result<Vec<Verdict>, ShimError> {
-    // SAFETY: the caller's contract on every pointer.
-    let (owners, table, lens) = unsafe {
-        (
-            row_owners(call, rows.owners, rows.rows)?,
-            slice(call, "block_table", block_table, table_len)?,
-            slice(call, "seq_lens", seq_lens, rows.rows)?,
-        )
-    };
-    san()?
-        .check_block_table(
-            PoolId(pool),
-            &owners,
-            table,
-            stride,
-            lens,
-            range(layers),
-            step,
-        )
-        .map_err(sanitizer_error(call))
-}
-
-/// Attention over pages in CSR form (`kvsan_check_paged_csr`).
-///
-/// # Safety
-/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn check_paged_csr(
-    call: &'static str,
-    pool: u32,
-    rows: BatchArrays,
-    indptr: *const i32,
-    indices: *const i32,
-    nnz: usize,
-    last_page_len: *const i32,
-    layers: KvsanRange,
-    step: u64,
-) -> Result<Vec<Verdict>, ShimError> {
-    // SAFETY: the caller's contract on every pointer.
-    let (owners, indptr, indices, last) = unsafe {
-        (
-            row_owners(call, rows.owners, rows.rows)?,
-            slice(call, "indptr", indptr, rows.rows.saturating_add(1))?,
-            slice(call, "indices", indices, nnz)?,
-            slice(call, "last_page_len", last_page_len, rows.rows)?,
-        )
-    };
-    san()?
-        .check_paged_csr(
-            PoolId(pool),
-            &owners,
-            indptr,
-            indices,
-            last,
-            range(layers),
-            step,
-        )
-        .map_err(sanitizer_error(call))
-}
-
-/// Attention over a token-level table (`kvsan_check_req_to_token`).
-///
-/// # Safety
-/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn check_req_to_token(
-    call: &'static str,
-    pool: u32,
-    rows: BatchArrays,
-    req_to_token: *const i32,
-    table_len: usize,
-    stride: usize,
-    req_indices: *const i32,
-    seq_lens: *const i32,
-    layers: KvsanRange,
-    step: u64,
-) -> Result<Vec<Verdict>, ShimError> {
-    // SAFETY: the caller's contract on every pointer.
-    let (owners, table, reqs, lens) = unsafe {
-        (
-            row_owners(call, rows.owners, rows.rows)?,
-            slice(call, "req_to_token", req_to_token, table_len)?,
-            slice(call, "req_indices", req_indices, rows.rows)?,
-            slice(call, "seq_lens", seq_lens, rows.rows)?,
-        )
-    };
-    san()?
-        .check_req_to_token(
-            PoolId(pool),
-            &owners,
-            table,
-            stride,
-            reqs,
-            lens,
-            range(layers),
-            step,
-        )
-        .map_err(sanitizer_error(call))
-}
-
-/// A store kernel's slots (`kvsan_check_slot_mapping`).
-///
-/// # Safety
-/// - every pointer as [`slice`] for the length `kvsan.h` gives it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn check_slot_mapping(
-    call: &'static str,
-    pool: u32,
-    rows: BatchArrays,
-    query_start_loc: *const i32,
-    slot_mapping: *const i64,
-    tokens: usize,
-    layers: KvsanRange,
-    step: u64,
-) -> Result<Vec<Verdict>, ShimError> {
-    // SAFETY: the caller's contract on every pointer.
-    let (owners, starts, slots) = unsafe {
-        (
-            row_owners(call, rows.owners, rows.rows)?,
-            slice(
-                call,
-                "query_start_loc",
-                query_start_loc,
-                rows.rows.saturating_add(1),
-            )?,
-            slice(call, "slot_mapping", slot_mapping, tokens)?,
-        )
-    };
-    san()?
-        .check_slot_mapping(PoolId(pool), &owners, starts, slots, range(layers), step)
-        .map_err(sanitizer_error(call))
 }
 
 /// A C block table as the sanitizer's `PageRef`s (one layout, asserted in

@@ -25,11 +25,10 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
-use kvsan_kernels::cuda::{CudaError, CudaKernelShadow, CudaKernels, EngineBatch};
-use kvsan_sanitizer::{Owner, PageId, PageRef, PoolId, RequestId, Sanitizer, Verdict};
-
-use crate::buffers::DeviceBuffers;
 use crate::error::ShimError;
+use kvsan_kernels::cuda::{CudaError, CudaKernelShadow, CudaKernels, views};
+use kvsan_sanitizer::layouts::{Addresses, Batch};
+use kvsan_sanitizer::{Owner, PageId, PageRef, PoolId, RequestId, Sanitizer, Verdict};
 
 /// One device's compiled kernels and its pools' device shadows.
 struct Device {
@@ -46,11 +45,11 @@ fn device_error(call: &'static str) -> impl Fn(CudaError) -> ShimError {
     }
 }
 
-/// Runs the check of `buffers` (already checked non-null and aligned) on
-/// device `ordinal` for `owners`, as the module doc says.
+/// Runs the check of `batch` (its addresses already checked non-null and
+/// aligned) on device `ordinal` for `owners`, as the module doc says.
 ///
 /// # Safety
-/// Every address in `buffers` is a live allocation of device `ordinal`'s
+/// Every address in `batch` is a live allocation of device `ordinal`'s
 /// primary context holding the values its length says, unchanged by
 /// anyone until this returns.
 #[allow(clippy::too_many_arguments)]
@@ -60,7 +59,7 @@ pub(crate) unsafe fn check(
     pool: u32,
     ordinal: usize,
     owners: &[Owner],
-    buffers: DeviceBuffers,
+    batch: &Batch<Addresses>,
     layers: Range<u32>,
     step: u64,
 ) -> Result<Vec<Verdict>, ShimError> {
@@ -78,17 +77,18 @@ pub(crate) unsafe fn check(
         }),
     };
     let kernels = &device.kernels;
-    for (argument, address, len, size) in buffers.arrays(owners.len()) {
-        if len > 0 {
+    for (argument, array, size) in batch.device_arrays() {
+        if array.len > 0 {
+            let bytes = (array.len as u64).saturating_mul(size as u64);
             kernels
-                .check_device_buffer(argument, address, (len as u64).saturating_mul(size as u64))
+                .check_device_buffer(argument, array.address, bytes)
                 .map_err(&err)?;
         }
     }
     kernels.synchronize_device().map_err(&err)?;
     // A store check brings written bits back: to every page at the
     // generation the upload below copies. Reads need no such list.
-    let stores = matches!(buffers, DeviceBuffers::SlotMapping { .. });
+    let stores = batch.layout().stores();
     let uploaded: Vec<PageRef> = (0..if stores { host.pages() } else { 0 })
         .filter_map(|p| {
             let page = PageId(u32::try_from(p).ok()?);
@@ -107,159 +107,27 @@ pub(crate) unsafe fn check(
         }
     };
     let requests: Vec<RequestId> = owners.iter().map(|o| o.request).collect();
-    // Whether the check kernel refused a row of `batch`.
-    let refused = |shadow: &mut CudaKernelShadow, batch: &EngineBatch<'_>| {
-        kernels
-            .check_engine_batch(shadow, &requests, batch, layers.clone())
-            .map(|found| !found.is_empty())
-            .map_err(&err)
-    };
-    let host_check = match buffers {
-        DeviceBuffers::BlockTable {
-            block_table,
-            table_len,
-            stride,
-            seq_lens,
-        } => {
-            // SAFETY: the caller's contract on the address and length.
-            let table = unsafe { kernels.borrow_device::<i32>(block_table, table_len) };
-            // SAFETY: the caller's contract on the address and length.
-            let lens = unsafe { kernels.borrow_device::<i32>(seq_lens, owners.len()) };
-            let batch = EngineBatch::BlockTable {
-                block_table: table.as_view(),
-                row_stride: stride,
-                seq_lens: lens.as_view(),
-            };
-            if !refused(&mut *shadow, &batch)? {
-                None
-            } else {
-                let (table, lens) = (
-                    kernels.copy_to_host(&table).map_err(&err)?,
-                    kernels.copy_to_host(&lens).map_err(&err)?,
-                );
-                Some(san.check_block_table(
-                    PoolId(pool),
-                    owners,
-                    &table,
-                    stride,
-                    &lens,
-                    layers,
-                    step,
-                ))
-            }
+    // SAFETY: the caller's contract on the addresses and lengths.
+    let borrowed = unsafe { kernels.borrow_batch(batch) };
+    let refused = !kernels
+        .check_engine_batch(shadow, &requests, &views(&borrowed), layers.clone(), stores)
+        .map_err(&err)?
+        .is_empty();
+    if !refused {
+        if stores {
+            // The slots the check let through were marked written on the
+            // device; bring every page's bits back, to the generation each
+            // page had when the shadow was uploaded (a page reallocated
+            // since gets none).
+            shadow
+                .download_written(&host, &uploaded, step)
+                .map_err(&err)?;
         }
-        DeviceBuffers::PagedCsr {
-            indptr,
-            indices,
-            nnz,
-            last_page_len,
-        } => {
-            let rows = owners.len();
-            // SAFETY: the caller's contract on the address and length.
-            let indptr = unsafe { kernels.borrow_device::<i32>(indptr, rows + 1) };
-            // SAFETY: the caller's contract on the address and length.
-            let indices = unsafe { kernels.borrow_device::<i32>(indices, nnz) };
-            // SAFETY: the caller's contract on the address and length.
-            let last = unsafe { kernels.borrow_device::<i32>(last_page_len, rows) };
-            let batch = EngineBatch::PagedCsr {
-                indptr: indptr.as_view(),
-                indices: indices.as_view(),
-                last_page_len: last.as_view(),
-            };
-            if !refused(&mut *shadow, &batch)? {
-                None
-            } else {
-                let (indptr, indices, last) = (
-                    kernels.copy_to_host(&indptr).map_err(&err)?,
-                    kernels.copy_to_host(&indices).map_err(&err)?,
-                    kernels.copy_to_host(&last).map_err(&err)?,
-                );
-                Some(san.check_paged_csr(
-                    PoolId(pool),
-                    owners,
-                    &indptr,
-                    &indices,
-                    &last,
-                    layers,
-                    step,
-                ))
-            }
-        }
-        DeviceBuffers::ReqToToken {
-            req_to_token,
-            table_len,
-            stride,
-            req_indices,
-            seq_lens,
-        } => {
-            let rows = owners.len();
-            // SAFETY: the caller's contract on the address and length.
-            let table = unsafe { kernels.borrow_device::<i32>(req_to_token, table_len) };
-            // SAFETY: the caller's contract on the address and length.
-            let reqs = unsafe { kernels.borrow_device::<i32>(req_indices, rows) };
-            // SAFETY: the caller's contract on the address and length.
-            let lens = unsafe { kernels.borrow_device::<i32>(seq_lens, rows) };
-            let batch = EngineBatch::ReqToToken {
-                req_to_token: table.as_view(),
-                row_stride: stride,
-                req_indices: reqs.as_view(),
-                seq_lens: lens.as_view(),
-            };
-            if !refused(&mut *shadow, &batch)? {
-                None
-            } else {
-                let (table, reqs, lens) = (
-                    kernels.copy_to_host(&table).map_err(&err)?,
-                    kernels.copy_to_host(&reqs).map_err(&err)?,
-                    kernels.copy_to_host(&lens).map_err(&err)?,
-                );
-                Some(san.check_req_to_token(
-                    PoolId(pool),
-                    owners,
-                    &table,
-                    stride,
-                    &reqs,
-                    &lens,
-                    layers,
-                    step,
-                ))
-            }
-        }
-        DeviceBuffers::SlotMapping {
-            query_start_loc,
-            slot_mapping,
-            tokens,
-        } => {
-            let rows = owners.len();
-            // SAFETY: the caller's contract on the address and length.
-            let starts = unsafe { kernels.borrow_device::<i32>(query_start_loc, rows + 1) };
-            // SAFETY: the caller's contract on the address and length.
-            let slots = unsafe { kernels.borrow_device::<i64>(slot_mapping, tokens) };
-            let batch = EngineBatch::SlotMapping {
-                query_start_loc: starts.as_view(),
-                slot_mapping: slots.as_view(),
-                record: true,
-            };
-            if !refused(&mut *shadow, &batch)? {
-                // The slots the check let through were marked written on
-                // the device; bring every page's bits back, to the
-                // generation each page had when the shadow was uploaded
-                // (a page reallocated since gets none).
-                shadow
-                    .download_written(&host, &uploaded, step)
-                    .map_err(&err)?;
-                None
-            } else {
-                let (starts, slots) = (
-                    kernels.copy_to_host(&starts).map_err(&err)?,
-                    kernels.copy_to_host(&slots).map_err(&err)?,
-                );
-                Some(san.check_slot_mapping(PoolId(pool), owners, &starts, &slots, layers, step))
-            }
-        }
-    };
-    match host_check {
-        None => Ok(vec![Verdict::Continue; owners.len()]),
-        Some(verdicts) => verdicts.map_err(|source| ShimError::Sanitizer { call, source }),
+        return Ok(vec![Verdict::Continue; owners.len()]);
     }
+    // A row refused: the host check reports it, on copies of the values
+    // the kernel checked.
+    let copies = kernels.copy_batch_to_host(&borrowed).map_err(&err)?;
+    san.check_batch(PoolId(pool), owners, &copies.as_host(), layers, step)
+        .map_err(|source| ShimError::Sanitizer { call, source })
 }

@@ -19,12 +19,16 @@
 //! on the pages it owns (`terminal-request-activity`: the device has the
 //! pages' records, not the requests').
 
+use std::convert::Infallible;
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg};
 use kvsan_ids::{Generation, PageId, PageRef};
 use kvsan_sanitizer::ViolationKind;
+use kvsan_sanitizer::layouts::{Array, Batch, BatchLayout, Buffers, Extent, MapBuffers};
 
 use super::error::CudaError;
 use super::shadow::CudaKernelShadow;
@@ -42,9 +46,20 @@ const NONE: u32 = u32::MAX;
 /// Most blocks of one check launch (rows beyond are taken grid-stride).
 const CHECK_BLOCKS: u64 = 1024;
 
-/// An engine's kernel arguments, as device buffers (views of the engine's
-/// own allocations: a raw device pointer becomes one with cudarc's
-/// `CudaStream::upgrade_device_ptr`). Row `r` belongs to `owners[r]` of
+/// How an [`EngineBatch`] holds its buffers: views of the engine's own
+/// device allocations (a raw device pointer becomes one with cudarc's
+/// `CudaStream::upgrade_device_ptr`).
+#[derive(Debug)]
+pub struct Views<'a>(PhantomData<&'a ()>);
+
+impl<'a> Buffers for Views<'a> {
+    type I32 = CudaView<'a, i32>;
+    type I64 = CudaView<'a, i64>;
+}
+
+/// An engine's kernel arguments, as device buffers: a layout of the
+/// sanitizer's list (`kvsan_sanitizer::for_each_batch_layout!`, the same
+/// buffers its host checks take). Row `r` belongs to `owners[r]` of
 /// [`super::CudaKernels::check_engine_batch`].
 ///
 /// The rules, as the sanitizer's host-side batch checks have them: a row's
@@ -55,136 +70,88 @@ const CHECK_BLOCKS: u64 = 1024;
 /// row whose buffers no kernel could use is reported as such
 /// ([`EngineFinding::OutsideBuffer`], [`EngineFinding::OutsidePool`],
 /// [`EngineFinding::BadInput`]) before any of its pages is checked.
+pub type EngineBatch<'a> = Batch<Views<'a>>;
+
+/// How a batch's buffers are held between the engine's device addresses
+/// and the check: cudarc slices over the engine's own allocations, never
+/// freed by kvsan ([`super::CudaKernels::borrow_batch`]).
 #[derive(Debug)]
-pub enum EngineBatch<'a> {
-    /// A padded block table (vLLM, FlashAttention): row `r` reads
-    /// `seq_lens[r]` tokens through the entries from `block_table[r ×
-    /// row_stride]` on, one page per `page_slots` tokens.
-    BlockTable {
-        /// Page indices, rows of `row_stride` entries.
-        block_table: CudaView<'a, i32>,
-        /// Entries per row.
-        row_stride: usize,
-        /// Tokens each row reads.
-        seq_lens: CudaView<'a, i32>,
-    },
-    /// Pages in CSR form (FlashInfer): row `r` reads the pages
-    /// `indices[indptr[r]..indptr[r + 1]]`, all full but the last, which
-    /// holds `last_page_len[r]` tokens.
-    PagedCsr {
-        /// `rows + 1` offsets into `indices`.
-        indptr: CudaView<'a, i32>,
-        /// Page indices.
-        indices: CudaView<'a, i32>,
-        /// Per row: tokens in its last page.
-        last_page_len: CudaView<'a, i32>,
-    },
-    /// A token-level table (SGLang): row `r` reads `seq_lens[r]` tokens at
-    /// the locations (page × page_slots + slot) `req_to_token[req_indices[r]
-    /// × row_stride ..]`.
-    ReqToToken {
-        /// Locations, rows of `row_stride` per request slot.
-        req_to_token: CudaView<'a, i32>,
-        /// Locations per request slot.
-        row_stride: usize,
-        /// Per row: its request slot.
-        req_indices: CudaView<'a, i32>,
-        /// Tokens each row reads.
-        seq_lens: CudaView<'a, i32>,
-    },
-    /// A store kernel's slots (vLLM's `reshape_and_cache`): the tokens
-    /// `query_start_loc[r]..[r + 1]` are row `r`'s, token `t` goes to
-    /// location `slot_mapping[t]` (−1: padding, not stored).
-    SlotMapping {
-        /// `rows + 1` offsets into `slot_mapping`.
-        query_start_loc: CudaView<'a, i32>,
-        /// Per token: its location, or −1.
-        slot_mapping: CudaView<'a, i64>,
-        /// Mark the slots let through written in the device shadow (for
-        /// every checked layer), as the host's `check_slot_mapping` records
-        /// the writes it checked; bring them back with
-        /// [`CudaKernelShadow::download_written`].
-        record: bool,
-    },
+pub struct Borrowed;
+
+impl Buffers for Borrowed {
+    type I32 = ManuallyDrop<CudaSlice<i32>>;
+    type I64 = ManuallyDrop<CudaSlice<i64>>;
 }
 
-/// Which layout a launch checked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineLayout {
-    /// [`EngineBatch::BlockTable`].
-    BlockTable,
-    /// [`EngineBatch::PagedCsr`].
-    PagedCsr,
-    /// [`EngineBatch::ReqToToken`].
-    ReqToToken,
-    /// [`EngineBatch::SlotMapping`].
-    SlotMapping,
-}
-
-impl EngineLayout {
-    /// The kernel that checks this layout.
-    #[must_use]
-    pub fn kernel(self) -> &'static str {
-        match self {
-            EngineLayout::BlockTable => CHECK_BLOCK_TABLE_KERNEL,
-            EngineLayout::PagedCsr => CHECK_PAGED_CSR_KERNEL,
-            EngineLayout::ReqToToken => CHECK_REQ_TO_TOKEN_KERNEL,
-            EngineLayout::SlotMapping => CHECK_SLOT_MAPPING_KERNEL,
+/// The [`Borrowed`] buffers of `batch` as the check kernel's views.
+#[must_use]
+pub fn views(batch: &Batch<Borrowed>) -> EngineBatch<'_> {
+    struct AsViews;
+    impl<'a> MapBuffers<'a, Borrowed, Views<'a>> for AsViews {
+        type Error = Infallible;
+        fn i32(
+            &mut self,
+            _: Array,
+            from: &'a ManuallyDrop<CudaSlice<i32>>,
+        ) -> Result<CudaView<'a, i32>, Infallible> {
+            Ok(from.as_view())
+        }
+        fn i64(
+            &mut self,
+            _: Array,
+            from: &'a ManuallyDrop<CudaSlice<i64>>,
+        ) -> Result<CudaView<'a, i64>, Infallible> {
+            Ok(from.as_view())
         }
     }
+    let Ok(views) = batch.try_map(&mut AsViews);
+    views
+}
 
-    fn stores(self) -> bool {
-        self == EngineLayout::SlotMapping
+/// The kernel that checks `layout`.
+#[must_use]
+pub fn check_kernel(layout: BatchLayout) -> &'static str {
+    match layout {
+        BatchLayout::BlockTable => CHECK_BLOCK_TABLE_KERNEL,
+        BatchLayout::PagedCsr => CHECK_PAGED_CSR_KERNEL,
+        BatchLayout::ReqToToken => CHECK_REQ_TO_TOKEN_KERNEL,
+        BatchLayout::SlotMapping => CHECK_SLOT_MAPPING_KERNEL,
     }
 }
 
-impl EngineBatch<'_> {
-    /// The layout.
-    #[must_use]
-    pub fn layout(&self) -> EngineLayout {
-        match self {
-            EngineBatch::BlockTable { .. } => EngineLayout::BlockTable,
-            EngineBatch::PagedCsr { .. } => EngineLayout::PagedCsr,
-            EngineBatch::ReqToToken { .. } => EngineLayout::ReqToToken,
-            EngineBatch::SlotMapping { .. } => EngineLayout::SlotMapping,
+/// The per-row buffers of `batch` must have one entry per row (offsets:
+/// one more).
+pub(super) fn check_rows(batch: &EngineBatch<'_>, rows: usize) -> Result<(), CudaError> {
+    struct Lengths {
+        rows: usize,
+    }
+    impl<'a> MapBuffers<'_, Views<'a>, ()> for Lengths {
+        type Error = CudaError;
+        fn i32(&mut self, array: Array, from: &CudaView<'a, i32>) -> Result<(), CudaError> {
+            self.check(array, from.len())
+        }
+        fn i64(&mut self, array: Array, from: &CudaView<'a, i64>) -> Result<(), CudaError> {
+            self.check(array, from.len())
         }
     }
-
-    /// The per-row buffers must have one entry per row (offsets: one more).
-    pub(super) fn check_rows(&self, rows: usize) -> Result<(), CudaError> {
-        let per_row: Vec<(&'static str, usize, usize)> = match self {
-            EngineBatch::BlockTable { seq_lens, .. } => vec![("seq_lens", seq_lens.len(), rows)],
-            EngineBatch::PagedCsr {
-                indptr,
-                last_page_len,
-                ..
-            } => vec![
-                ("indptr", indptr.len(), rows + 1),
-                ("last_page_len", last_page_len.len(), rows),
-            ],
-            EngineBatch::ReqToToken {
-                req_indices,
-                seq_lens,
-                ..
-            } => vec![
-                ("req_indices", req_indices.len(), rows),
-                ("seq_lens", seq_lens.len(), rows),
-            ],
-            EngineBatch::SlotMapping {
-                query_start_loc, ..
-            } => vec![("query_start_loc", query_start_loc.len(), rows + 1)],
-        };
-        for (what, len, expected) in per_row {
-            if len != expected {
-                return Err(CudaError::Length {
-                    what,
+    impl Lengths {
+        fn check(&self, array: Array, len: usize) -> Result<(), CudaError> {
+            if matches!(array.extent, Extent::Own(_)) {
+                return Ok(());
+            }
+            let expected = array.extent.len(self.rows, len);
+            if len == expected {
+                Ok(())
+            } else {
+                Err(CudaError::Length {
+                    what: array.name,
                     len,
                     expected,
-                });
+                })
             }
         }
-        Ok(())
     }
+    batch.try_map(&mut Lengths { rows }).map(|_| ())
 }
 
 /// What a check kernel found in one row.
@@ -270,7 +237,7 @@ fn some(word: u32) -> Option<u32> {
 /// write.
 pub fn decode_engine_refusals(
     records: &[u32],
-    layout: EngineLayout,
+    layout: BatchLayout,
 ) -> Result<Vec<EngineRefusal>, CudaError> {
     let mut out = Vec::new();
     let (records, _) = records.as_chunks::<REFUSAL_WORDS>();
@@ -296,7 +263,7 @@ pub fn decode_engine_refusals(
             (true, REFUSED_FOREIGN_WRITE) => refused(ViolationKind::ForeignWrite),
             _ => {
                 return Err(CudaError::CorruptRefusal {
-                    kernel: layout.kernel(),
+                    kernel: check_kernel(layout),
                     row,
                     code,
                 });
@@ -322,7 +289,7 @@ pub fn decode_engine_refusals(
 }
 
 /// One check launch's arguments, checked by the caller.
-pub(super) struct CheckLaunch<'a> {
+pub(super) struct CheckLaunch<'a, 'b> {
     pub func: &'a CudaFunction,
     /// Mark the slots let through written (store slots only).
     pub record: bool,
@@ -330,7 +297,7 @@ pub(super) struct CheckLaunch<'a> {
     pub owners: &'a CudaSlice<u64>,
     pub rows: u32,
     pub layers: Range<u32>,
-    pub batch: &'a EngineBatch<'a>,
+    pub batch: &'a EngineBatch<'b>,
 }
 
 /// Launches the check kernel of `args.batch`'s layout, writing one record
@@ -338,14 +305,14 @@ pub(super) struct CheckLaunch<'a> {
 ///
 /// # Safety
 /// `args.rows` ≥ 1 and every per-row buffer has its rows
-/// ([`EngineBatch::check_rows`]); `owners` holds `rows` words and
+/// ([`check_rows`]); `owners` holds `rows` words and
 /// `refusals` `REFUSAL_WORDS × rows` zeroed ones (the read checks' scratch,
 /// one first-refusal word and one lane count per row, is allocated here,
 /// zeroed); the layers are inside the
 /// shadow's layout; every buffer lives on the shadow's context.
 pub(super) unsafe fn launch_check(
     stream: &Arc<CudaStream>,
-    args: CheckLaunch<'_>,
+    args: CheckLaunch<'_, '_>,
     refusals: &mut CudaSlice<u32>,
 ) -> Result<(), CudaError> {
     // The read checks give each row CHECK_LANES threads, the store check one.
@@ -410,15 +377,15 @@ pub(super) unsafe fn launch_check(
     let (entries, row_stride, record): (u64, u64, u32) = match args.batch {
         EngineBatch::BlockTable {
             block_table,
-            row_stride,
+            stride,
             ..
-        } => (block_table.len() as u64, *row_stride as u64, 0),
+        } => (block_table.len() as u64, *stride as u64, 0),
         EngineBatch::PagedCsr { indices, .. } => (indices.len() as u64, 0, 0),
         EngineBatch::ReqToToken {
             req_to_token,
-            row_stride,
+            stride,
             ..
-        } => (req_to_token.len() as u64, *row_stride as u64, 0),
+        } => (req_to_token.len() as u64, *stride as u64, 0),
         EngineBatch::SlotMapping { slot_mapping, .. } => {
             (slot_mapping.len() as u64, 0, u32::from(args.record))
         }
@@ -492,7 +459,7 @@ mod tests {
     fn a_refused_read_decodes_with_its_page_slot_and_layer() {
         let got = decode_engine_refusals(
             &record([REFUSED_STALE_READ, 2, 5, 9, 9, 3, 16, 1]),
-            EngineLayout::BlockTable,
+            BatchLayout::BlockTable,
         )
         .expect("decodes");
         assert_eq!(
@@ -512,14 +479,14 @@ mod tests {
     fn bounds_carry_no_page_and_reads_codes_are_refused_for_stores() {
         let outside = decode_engine_refusals(
             &record([REFUSED_OUTSIDE_POOL, 4, 77, NONE, NONE, NONE, NONE, NONE]),
-            EngineLayout::SlotMapping,
+            BatchLayout::SlotMapping,
         )
         .expect("decodes");
         assert_eq!(outside[0].finding, EngineFinding::OutsidePool { page: 77 });
         assert_eq!((outside[0].page, outside[0].layer), (None, None));
         let err = decode_engine_refusals(
             &record([REFUSED_STALE_READ, 0, 0, 0, 0, 0, 1, NONE]),
-            EngineLayout::SlotMapping,
+            BatchLayout::SlotMapping,
         )
         .expect_err("a store check never reports a stale read");
         assert!(matches!(err, CudaError::CorruptRefusal { row: 1, .. }));

@@ -2,6 +2,7 @@
 //! safe entry points that check every input before a launch.
 
 use std::collections::HashSet;
+use std::convert::Infallible;
 use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::sync::Arc;
@@ -18,8 +19,9 @@ use super::batch::{
     self, DecodeOutput, Op, ReadCheck, StoreCheck, decode_arrays, decode_refusals, owner_words,
     refuse_all, store_arrays,
 };
+use super::check::Borrowed;
 use super::check::{
-    CheckLaunch, EngineBatch, EngineLayout, EngineRefusal, decode_engine_refusals, launch_check,
+    CheckLaunch, EngineBatch, EngineRefusal, check_rows, decode_engine_refusals, launch_check,
     may_record,
 };
 use super::error::CudaError;
@@ -37,6 +39,8 @@ use super::source::{
 };
 use crate::attention::{KvBatch, KvGeometry};
 use crate::guard::RowLedger;
+use kvsan_sanitizer::BatchLayout;
+use kvsan_sanitizer::layouts::{Addresses, Array, Batch, DeviceArray, MapBuffers, Owned};
 
 /// Largest grid y dimension: query heads per decode launch.
 const MAX_GRID_Y: usize = 65_535;
@@ -698,9 +702,11 @@ impl CudaKernels {
     /// shadow uploaded after the last hook that changed it; it waits for
     /// the check to finish. Comes back
     /// with one [`EngineRefusal`] per refused row, by row (an empty list:
-    /// every access may be made). With [`EngineBatch::SlotMapping`]'s
-    /// `record`, the slots it let through are marked written in the device
-    /// shadow.
+    /// every access may be made). With `record`, a store layout's slots it
+    /// let through are marked written in the device shadow (for every
+    /// checked layer), as the host's `check_slot_mapping` records the
+    /// writes it checked; bring them back with
+    /// [`CudaKernelShadow::download_written`].
     ///
     /// # Errors
     /// Per-row buffers without one entry per row (offsets: one more),
@@ -713,6 +719,7 @@ impl CudaKernels {
         owners: &[RequestId],
         batch: &EngineBatch<'_>,
         layers: Range<u32>,
+        record: bool,
     ) -> Result<Vec<EngineRefusal>, CudaError> {
         if shadow.ordinal() != self.ordinal() {
             return Err(CudaError::WrongDevice {
@@ -722,7 +729,7 @@ impl CudaKernels {
         }
         self.finish("an earlier operation")?;
         let rows = owners.len();
-        batch.check_rows(rows)?;
+        check_rows(batch, rows)?;
         let shadow_layers = shadow.layout.layers;
         if layers.is_empty() || layers.end > shadow_layers {
             return Err(CudaError::OutOfRange {
@@ -749,12 +756,11 @@ impl CudaKernels {
             .map_err(CudaError::driver("allocate the refusal records"))?;
         let layout = batch.layout();
         let func = match layout {
-            EngineLayout::BlockTable => &self.check_block_table,
-            EngineLayout::PagedCsr => &self.check_paged_csr,
-            EngineLayout::ReqToToken => &self.check_req_to_token,
-            EngineLayout::SlotMapping => &self.check_slot_mapping,
+            BatchLayout::BlockTable => &self.check_block_table,
+            BatchLayout::PagedCsr => &self.check_paged_csr,
+            BatchLayout::ReqToToken => &self.check_req_to_token,
+            BatchLayout::SlotMapping => &self.check_slot_mapping,
         };
-        let record = matches!(batch, EngineBatch::SlotMapping { record: true, .. });
         let mut found = Vec::new();
         // A recording check looks first and records only if every row's
         // buffers were usable (`may_record`).
@@ -848,6 +854,64 @@ impl CudaKernels {
     pub unsafe fn borrow_device<T>(&self, ptr: u64, len: usize) -> ManuallyDrop<CudaSlice<T>> {
         // SAFETY: the caller's contract; never dropped, so never freed.
         ManuallyDrop::new(unsafe { self.stream.upgrade_device_ptr(ptr, len) })
+    }
+
+    /// The engine's device buffers of `batch` as slices over its own
+    /// allocations ([`Self::borrow_device`] each), for [`super::views`]
+    /// and [`Self::copy_batch_to_host`].
+    ///
+    /// # Safety
+    /// As [`Self::borrow_device`] for every buffer of `batch`.
+    #[must_use]
+    pub unsafe fn borrow_batch(&self, batch: &Batch<Addresses>) -> Batch<Borrowed> {
+        struct Borrow<'k>(&'k CudaKernels);
+        impl MapBuffers<'_, Addresses, Borrowed> for Borrow<'_> {
+            type Error = Infallible;
+            fn i32(
+                &mut self,
+                _: Array,
+                from: &DeviceArray,
+            ) -> Result<ManuallyDrop<CudaSlice<i32>>, Infallible> {
+                // SAFETY: `borrow_batch`'s caller's contract.
+                Ok(unsafe { self.0.borrow_device(from.address, from.len) })
+            }
+            fn i64(
+                &mut self,
+                _: Array,
+                from: &DeviceArray,
+            ) -> Result<ManuallyDrop<CudaSlice<i64>>, Infallible> {
+                // SAFETY: `borrow_batch`'s caller's contract.
+                Ok(unsafe { self.0.borrow_device(from.address, from.len) })
+            }
+        }
+        let Ok(borrowed) = batch.try_map(&mut Borrow(self));
+        borrowed
+    }
+
+    /// Host copies of a borrowed batch's buffers.
+    ///
+    /// # Errors
+    /// A CUDA failure.
+    pub fn copy_batch_to_host(&self, batch: &Batch<Borrowed>) -> Result<Batch<Owned>, CudaError> {
+        struct ToHost<'k>(&'k CudaKernels);
+        impl MapBuffers<'_, Borrowed, Owned> for ToHost<'_> {
+            type Error = CudaError;
+            fn i32(
+                &mut self,
+                _: Array,
+                from: &ManuallyDrop<CudaSlice<i32>>,
+            ) -> Result<Vec<i32>, CudaError> {
+                self.0.copy_to_host(from)
+            }
+            fn i64(
+                &mut self,
+                _: Array,
+                from: &ManuallyDrop<CudaSlice<i64>>,
+            ) -> Result<Vec<i64>, CudaError> {
+                self.0.copy_to_host(from)
+            }
+        }
+        batch.try_map(&mut ToHost(self))
     }
 
     /// Waits until all work queued on the device by anyone in this process

@@ -107,10 +107,12 @@ pub mod source;
 
 pub use batch::{CudaRefusal, DecodeOutput, ReadCheck, StoreCheck};
 pub use check::{
-    EngineBatch, EngineFinding, EngineLayout, EngineRefusal, decode_engine_refusals, may_record,
+    Borrowed, EngineBatch, EngineFinding, EngineRefusal, Views, check_kernel,
+    decode_engine_refusals, may_record, views,
 };
 pub use device::CudaKernels;
 pub use error::CudaError;
+pub use kvsan_sanitizer::{Batch, BatchLayout};
 #[cfg(feature = "nvtx")]
 pub use nvtx::{NvtxHolder, NvtxPlane, NvtxPool, NvtxSync, probe_heap};
 pub use pool::CudaKvPool;

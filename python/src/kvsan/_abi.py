@@ -17,6 +17,7 @@ from ctypes import (
     c_uint64,
 )
 from pathlib import Path
+from typing import Any
 
 ABI_VERSION_MAJOR = 1
 ABI_VERSION_MINOR = 5
@@ -129,7 +130,6 @@ class CVerdict(Structure):
 
 
 _V = POINTER(CVerdict)
-_I32 = POINTER(c_int32)
 SIGNATURES = {
     "kvsan_abi_version": (c_uint32, []),
     "kvsan_check_version": (c_int32, [c_uint32]),
@@ -146,64 +146,6 @@ SIGNATURES = {
         c_int32,
         [c_uint32, Owner, POINTER(PageRef), c_size_t, c_uint64, CRange, c_uint64, _V],
     ),
-    "kvsan_check_block_table": (
-        c_int32,
-        [c_uint32, POINTER(Owner), c_size_t, _I32, c_size_t, c_size_t, _I32, CRange, c_uint64, _V],
-    ),
-    "kvsan_check_paged_csr": (
-        c_int32,
-        [c_uint32, POINTER(Owner), c_size_t, _I32, _I32, c_size_t, _I32, CRange, c_uint64, _V],
-    ),
-    "kvsan_check_req_to_token": (
-        c_int32,
-        [
-            c_uint32,
-            POINTER(Owner),
-            c_size_t,
-            _I32,
-            c_size_t,
-            c_size_t,
-            _I32,
-            _I32,
-            CRange,
-            c_uint64,
-            _V,
-        ],
-    ),
-    "kvsan_check_slot_mapping": (
-        c_int32,
-        [c_uint32, POINTER(Owner), c_size_t, _I32, POINTER(c_int64), c_size_t, CRange, c_uint64, _V],
-    ),
-    # Device buffers: CUDA device addresses (since ABI 1.3).
-    "kvsan_check_block_table_device": (
-        c_int32,
-        [c_uint32, c_int32, POINTER(Owner), c_size_t, c_uint64, c_size_t, c_size_t, c_uint64, CRange, c_uint64, _V],
-    ),
-    "kvsan_check_paged_csr_device": (
-        c_int32,
-        [c_uint32, c_int32, POINTER(Owner), c_size_t, c_uint64, c_uint64, c_size_t, c_uint64, CRange, c_uint64, _V],
-    ),
-    "kvsan_check_req_to_token_device": (
-        c_int32,
-        [
-            c_uint32,
-            c_int32,
-            POINTER(Owner),
-            c_size_t,
-            c_uint64,
-            c_size_t,
-            c_size_t,
-            c_uint64,
-            c_uint64,
-            CRange,
-            c_uint64,
-            _V,
-        ],
-    ),
-    "kvsan_check_slot_mapping_device": (
-        c_int32,
-        [c_uint32, c_int32, POINTER(Owner), c_size_t, c_uint64, c_uint64, c_size_t, CRange, c_uint64, _V],
-    ),
     # Transfers between a prefill and a decode node (land and verify since 1.5).
     "kvsan_transfer_send": (c_int32, [c_uint32, POINTER(Manifest), c_size_t, _V]),
     "kvsan_transfer_recv": (c_int32, [c_uint32, POINTER(Manifest), c_size_t, _V]),
@@ -219,6 +161,42 @@ SIGNATURES = {
     "kvsan_violation_kind_name": (c_char_p, [c_uint32]),
     "kvsan_status_name": (c_char_p, [c_int32]),
 }
+
+# The batch layouts, as kvsan_sanitizer::for_each_batch_layout! lists them:
+# each layout's C arguments after ``rows``, in order. A buffer is (name,
+# value type, length): "rows" (one value per row), "offsets" (one more), or
+# the name of its own length argument, a ``size_t`` right after it; a
+# scalar is (name, None, None), a ``size_t``. ``kvsan_check_<layout>`` takes
+# each buffer as a pointer, ``kvsan_check_<layout>_device`` (since ABI 1.3)
+# as a CUDA device address, after ``device``.
+BATCH_LAYOUTS: dict[str, list[tuple[str, Any, str | None]]] = {
+    "block_table": [("block_table", c_int32, "table_len"), ("stride", None, None), ("seq_lens", c_int32, "rows")],
+    "paged_csr": [("indptr", c_int32, "offsets"), ("indices", c_int32, "nnz"), ("last_page_len", c_int32, "rows")],
+    "req_to_token": [
+        ("req_to_token", c_int32, "table_len"),
+        ("stride", None, None),
+        ("req_indices", c_int32, "rows"),
+        ("seq_lens", c_int32, "rows"),
+    ],
+    "slot_mapping": [("query_start_loc", c_int32, "offsets"), ("slot_mapping", c_int64, "tokens")],
+}
+
+
+def _batch_signature(layout: str, device: bool) -> tuple[Any, list[Any]]:
+    args: list[Any] = [c_uint32, *([c_int32] if device else []), POINTER(Owner), c_size_t]
+    for _name, value, length in BATCH_LAYOUTS[layout]:
+        if value is None:
+            args.append(c_size_t)
+            continue
+        args.append(c_uint64 if device else POINTER(value))
+        if length not in ("rows", "offsets"):
+            args.append(c_size_t)
+    return (c_int32, [*args, CRange, c_uint64, _V])
+
+
+for _layout in BATCH_LAYOUTS:
+    SIGNATURES[f"kvsan_check_{_layout}"] = _batch_signature(_layout, False)
+    SIGNATURES[f"kvsan_check_{_layout}_device"] = _batch_signature(_layout, True)
 
 
 def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from ctypes import byref, c_int32, c_int64, c_size_t, c_uint32, c_uint64
+from ctypes import byref, c_size_t, c_uint32, c_uint64
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -363,6 +363,41 @@ class Pool:
         self.san._check(name, fn(self.id, devices.pop(), c_owners, rows, *args, out))
         return [self.san._verdict(v, f"{name} row {i}") for i, v in enumerate(out)]
 
+    def _check_layout(
+        self,
+        layout: str,
+        owners: Sequence[Owner],
+        layers: range | tuple[int, int] | None,
+        step: int,
+        **given: Any,
+    ) -> list[Verdict]:
+        """The batch check of ``layout`` (see ``_abi.BATCH_LAYOUTS``): each
+        buffer converted and its length held to the rows, in the C
+        function's order; on the GPU when the buffers are (see
+        :func:`_on_device`)."""
+        params = _abi.BATCH_LAYOUTS[layout]
+        device = _on_device(**{name: given[name] for name, value, _ in params if value is not None})
+        rows = len(owners)
+        args: list[Any] = []
+        arrays = []
+        for name, value, length in params:
+            if value is None:
+                args.append(given[name])
+                continue
+            array = (as_device_array if device else as_c_array)(given[name], value, name)
+            if length == "rows" and array.length != rows:
+                raise ValueError(f"{name} has {array.length} entries for {rows} rows")
+            if length == "offsets" and array.length != rows + 1:
+                raise ValueError(f"{name} has {array.length} entries; {rows} rows need {rows + 1}")
+            args.append(array.address if device else array.pointer)
+            if length not in ("rows", "offsets"):
+                args.append(array.length)
+            arrays.append(array)
+        args += [_range(layers, self.layers), step]
+        if device:
+            return self._device_batch(f"kvsan_check_{layout}_device", owners, arrays, *args)
+        return self._batch(f"kvsan_check_{layout}", owners, *args)
+
     def check_block_table(
         self,
         owners: Sequence[Owner],
@@ -376,31 +411,8 @@ class Pool:
         reads ``seq_lens[r]`` tokens through ``block_table[r * stride ...]``.
         GPU arrays (CUDA tensors) are checked where they lie, by kvsan's
         CUDA check kernel (see :func:`_on_device`)."""
-        if _on_device(block_table=block_table, seq_lens=seq_lens):
-            table_d = as_device_array(block_table, c_int32, "block_table")
-            lens_d = _rows(as_device_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
-            return self._device_batch(
-                "kvsan_check_block_table_device",
-                owners,
-                [table_d, lens_d],
-                table_d.address,
-                table_d.length,
-                stride,
-                lens_d.address,
-                _range(layers, self.layers),
-                step,
-            )
-        table = as_c_array(block_table, c_int32, "block_table")
-        lens = _rows(as_c_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
-        return self._batch(
-            "kvsan_check_block_table",
-            owners,
-            table.pointer,
-            table.length,
-            stride,
-            lens.pointer,
-            _range(layers, self.layers),
-            step,
+        return self._check_layout(
+            "block_table", owners, layers, step, block_table=block_table, stride=stride, seq_lens=seq_lens
         )
 
     def check_paged_csr(
@@ -414,37 +426,8 @@ class Pool:
     ) -> list[Verdict]:
         """Pages in CSR form (FlashInfer), ``int32``; GPU arrays are
         checked on the GPU."""
-        if _on_device(indptr=indptr, indices=indices, last_page_len=last_page_len):
-            ptr_d = as_device_array(indptr, c_int32, "indptr")
-            if ptr_d.length != len(owners) + 1:
-                raise ValueError(f"indptr has {ptr_d.length} entries; {len(owners)} rows need {len(owners) + 1}")
-            idx_d = as_device_array(indices, c_int32, "indices")
-            last_d = _rows(as_device_array(last_page_len, c_int32, "last_page_len"), owners, "last_page_len")
-            return self._device_batch(
-                "kvsan_check_paged_csr_device",
-                owners,
-                [ptr_d, idx_d, last_d],
-                ptr_d.address,
-                idx_d.address,
-                idx_d.length,
-                last_d.address,
-                _range(layers, self.layers),
-                step,
-            )
-        ptr = as_c_array(indptr, c_int32, "indptr")
-        if ptr.length != len(owners) + 1:
-            raise ValueError(f"indptr has {ptr.length} entries; {len(owners)} rows need {len(owners) + 1}")
-        idx = as_c_array(indices, c_int32, "indices")
-        last = _rows(as_c_array(last_page_len, c_int32, "last_page_len"), owners, "last_page_len")
-        return self._batch(
-            "kvsan_check_paged_csr",
-            owners,
-            ptr.pointer,
-            idx.pointer,
-            idx.length,
-            last.pointer,
-            _range(layers, self.layers),
-            step,
+        return self._check_layout(
+            "paged_csr", owners, layers, step, indptr=indptr, indices=indices, last_page_len=last_page_len
         )
 
     def check_req_to_token(
@@ -459,35 +442,15 @@ class Pool:
     ) -> list[Verdict]:
         """A token-level table (SGLang's ``req_to_token``), ``int32``; GPU
         arrays are checked on the GPU."""
-        if _on_device(req_to_token=req_to_token, req_indices=req_indices, seq_lens=seq_lens):
-            table_d = as_device_array(req_to_token, c_int32, "req_to_token")
-            reqs_d = _rows(as_device_array(req_indices, c_int32, "req_indices"), owners, "req_indices")
-            lens_d = _rows(as_device_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
-            return self._device_batch(
-                "kvsan_check_req_to_token_device",
-                owners,
-                [table_d, reqs_d, lens_d],
-                table_d.address,
-                table_d.length,
-                stride,
-                reqs_d.address,
-                lens_d.address,
-                _range(layers, self.layers),
-                step,
-            )
-        table = as_c_array(req_to_token, c_int32, "req_to_token")
-        reqs = _rows(as_c_array(req_indices, c_int32, "req_indices"), owners, "req_indices")
-        lens = _rows(as_c_array(seq_lens, c_int32, "seq_lens"), owners, "seq_lens")
-        return self._batch(
-            "kvsan_check_req_to_token",
+        return self._check_layout(
+            "req_to_token",
             owners,
-            table.pointer,
-            table.length,
-            stride,
-            reqs.pointer,
-            lens.pointer,
-            _range(layers, self.layers),
+            layers,
             step,
+            req_to_token=req_to_token,
+            stride=stride,
+            req_indices=req_indices,
+            seq_lens=seq_lens,
         )
 
     def check_slot_mapping(
@@ -501,37 +464,8 @@ class Pool:
         """A store kernel's ``slot_mapping`` (``int64``, −1 padding) with
         ``query_start_loc`` (``int32``, rows + 1); the slots stored are
         recorded written. GPU arrays are checked on the GPU."""
-        if _on_device(query_start_loc=query_start_loc, slot_mapping=slot_mapping):
-            starts_d = as_device_array(query_start_loc, c_int32, "query_start_loc")
-            if starts_d.length != len(owners) + 1:
-                raise ValueError(
-                    f"query_start_loc has {starts_d.length} entries; {len(owners)} rows need {len(owners) + 1}"
-                )
-            slots_d = as_device_array(slot_mapping, c_int64, "slot_mapping")
-            return self._device_batch(
-                "kvsan_check_slot_mapping_device",
-                owners,
-                [starts_d, slots_d],
-                starts_d.address,
-                slots_d.address,
-                slots_d.length,
-                _range(layers, self.layers),
-                step,
-            )
-        starts = as_c_array(query_start_loc, c_int32, "query_start_loc")
-        if starts.length != len(owners) + 1:
-            raise ValueError(
-                f"query_start_loc has {starts.length} entries; {len(owners)} rows need {len(owners) + 1}"
-            )
-        slots = as_c_array(slot_mapping, c_int64, "slot_mapping")
-        return self._batch(
-            "kvsan_check_slot_mapping",
-            owners,
-            starts.pointer,
-            slots.pointer,
-            slots.length,
-            _range(layers, self.layers),
-            step,
+        return self._check_layout(
+            "slot_mapping", owners, layers, step, query_start_loc=query_start_loc, slot_mapping=slot_mapping
         )
 
 
@@ -549,12 +483,6 @@ def _on_device(**buffers: Any) -> bool:
         host = ", ".join(n for n, d in where.items() if not d)
         raise TypeError(f"{gpu} on the GPU but {host} in host memory: pass all of them on one side")
     return False
-
-
-def _rows(array: Any, owners: Sequence[Owner], name: str) -> Any:
-    if array.length != len(owners):
-        raise ValueError(f"{name} has {array.length} entries for {len(owners)} rows")
-    return array
 
 
 def attach(
