@@ -1,6 +1,8 @@
 //! `kvsan`: the command-line interface.
 
 mod commands;
+#[cfg(test)]
+mod docs_commands;
 mod output;
 
 use std::process::ExitCode;
