@@ -37,7 +37,6 @@ mod text;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -46,6 +45,7 @@ use kvsan_engine::engine::{Engine, EngineConfig, PrefillControl, serve_prefill};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::model::{Model, SyntheticSpec};
 use kvsan_engine::tokenizer::Tokenizer;
+use kvsan_engine::transport::accept;
 use kvsan_engine::transport::peer_auth::PeerKey;
 use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
 use kvsan_engine::transport::{Link, LinkDown, ToDecode, ToPrefill};
@@ -491,79 +491,21 @@ fn run_front(
         let peers = tcp::listen(peer_listen.as_str())?;
         line.push_str(&format!(" peer-listen={}", peers.local_addr()));
         let engine = engine.clone();
-        std::thread::Builder::new()
-            .name("kvsan-peer-accept".into())
-            .spawn(move || match transport {
-                PeerTransport::Tcp => accept_prefill_nodes(&peers, move |stream| {
-                    attach_tcp_prefill(stream, &engine, &link_opts)
-                }),
-                #[cfg(feature = "rdma")]
-                PeerTransport::Rdma(region) => accept_prefill_nodes(&peers, move |stream| {
-                    attach_rdma_prefill(stream, &engine, &region, &link_opts)
-                }),
-            })
-            .context("cannot start the prefill accept thread")?;
+        let accepting = match transport {
+            PeerTransport::Tcp => accept::spawn_accept_thread(peers, move |stream, _| {
+                attach_tcp_prefill(stream, &engine, &link_opts)
+            }),
+            #[cfg(feature = "rdma")]
+            PeerTransport::Rdma(region) => {
+                accept::spawn_accept_thread(peers, move |stream, peer| {
+                    attach_rdma_prefill(stream, peer, &engine, &region, &link_opts)
+                })
+            }
+        };
+        accepting.context("cannot start the prefill accept thread")?;
     }
     eprintln!("{line} model={model_id}");
     http::serve(clients, front)
-}
-
-/// Peer handshakes in progress at most; a connection beyond them is refused.
-const MAX_HANDSHAKES: usize = 16;
-
-/// Attaches every prefill node that connects; a new connection replaces
-/// the previous link (requests still waiting on that one are aborted). A
-/// connection that fails authentication is refused before it replaces
-/// anything. Each handshake (`attach`: it returns the peer's name once the
-/// link is attached) runs on its own thread, bounded by its deadline and by
-/// [`MAX_HANDSHAKES`], so a peer that stalls it delays nobody else.
-fn accept_prefill_nodes<F>(peers: &tcp::Listener, attach: F)
-where
-    F: Fn(std::net::TcpStream) -> Result<String, kvsan_engine::EngineError> + Send + Sync + 'static,
-{
-    let attach = Arc::new(attach);
-    let handshakes = Arc::new(AtomicUsize::new(0));
-    loop {
-        let stream = match peers.accept(None) {
-            Ok(stream) => stream,
-            Err(e) => {
-                eprintln!("kvsan: accepting a prefill node failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
-        let addr = stream
-            .peer_addr()
-            .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
-        if handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-            handshakes.fetch_sub(1, Ordering::AcqRel);
-            eprintln!(
-                "kvsan: refused a prefill node: peer prefill@{addr}: {MAX_HANDSHAKES} handshakes are already in progress"
-            );
-            continue;
-        }
-        let (attach, count) = (Arc::clone(&attach), Arc::clone(&handshakes));
-        let who = addr.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kvsan-peer-handshake".into())
-            .spawn(move || {
-                let attached = attach(stream);
-                count.fetch_sub(1, Ordering::AcqRel);
-                match attached {
-                    // Said once attached: a request submitted after this
-                    // line reaches the decode node after the link.
-                    Ok(peer) => eprintln!("kvsan: prefill node connected ({peer})"),
-                    Err(kvsan_engine::EngineError::PeerAuth(e)) => {
-                        eprintln!("kvsan: refused a prefill node: {e}");
-                    }
-                    Err(e) => eprintln!("kvsan: accepting a prefill node {who} failed: {e}"),
-                }
-            });
-        if let Err(e) = spawned {
-            handshakes.fetch_sub(1, Ordering::AcqRel);
-            eprintln!("kvsan: cannot start a handshake thread for {addr}: {e}");
-        }
-    }
 }
 
 /// Attaches a prefill node over TCP.
@@ -578,19 +520,18 @@ fn attach_tcp_prefill(
     Ok(peer)
 }
 
-/// Attaches a prefill node whose connection is the side channel of an RDMA
-/// link: the handshake offers the decode node's registered pool, to a node
-/// that proved it holds `opts.auth` when one is set.
+/// Attaches a prefill node whose connection (from `peer`) is the side
+/// channel of an RDMA link: the handshake offers the decode node's
+/// registered pool, to a node that proved it holds `opts.auth` when one is
+/// set.
 #[cfg(feature = "rdma")]
 fn attach_rdma_prefill(
     stream: std::net::TcpStream,
+    peer: &str,
     engine: &Engine,
     region: &kvsan_engine::transport::rdma::PoolRegion,
     opts: &TcpOptions,
 ) -> Result<String, kvsan_engine::EngineError> {
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "unknown peer".to_string(), |a| a.to_string());
     engine.attach_rdma_prefill(stream, region, opts.auth.as_ref())?;
     Ok(format!("{peer}, over RDMA"))
 }

@@ -14,7 +14,11 @@
 //!
 //! A link that breaks delivers [`Inbound::Disconnected`] to its receiver;
 //! every request that needed the peer is then aborted with a transport error.
+//!
+//! Between processes the links come and go: the decode node accepts prefill
+//! nodes for as long as it runs ([`accept`]).
 
+pub mod accept;
 pub mod in_process;
 pub mod peer_auth;
 #[cfg(feature = "rdma")]
