@@ -47,8 +47,8 @@ use kvsan_engine::model::{Model, SyntheticSpec};
 use kvsan_engine::tokenizer::Tokenizer;
 use kvsan_engine::transport::accept;
 use kvsan_engine::transport::peer_auth::PeerKey;
-use kvsan_engine::transport::tcp::{self, TcpLink, TcpOptions};
-use kvsan_engine::transport::{Link, LinkDown, ToDecode, ToPrefill};
+use kvsan_engine::transport::reconnect::DecodeDialer;
+use kvsan_engine::transport::tcp::{self, TcpOptions};
 
 use super::model_arg;
 use text::TextSide;
@@ -536,15 +536,6 @@ fn attach_rdma_prefill(
     Ok(format!("{peer}, over RDMA"))
 }
 
-/// A TCP link the prefill role keeps a handle on, to say why it dropped.
-struct SharedLink(Arc<TcpLink<ToDecode>>);
-
-impl Link<ToDecode> for SharedLink {
-    fn send(&self, msg: ToDecode) -> Result<(), LinkDown> {
-        self.0.send(msg)
-    }
-}
-
 /// The prefill role: serve the decode node at `--peer`, reconnecting after
 /// each link drop, until it stays unreachable for `--peer-retry-secs`.
 fn run_prefill(
@@ -554,52 +545,14 @@ fn run_prefill(
     rdma: Option<RdmaDevice>,
     opts: &TcpOptions,
 ) -> anyhow::Result<()> {
-    let peer = args.peer.clone().expect("checked by check_flags");
-    let retry = Duration::from_secs(args.peer_retry_secs);
-    #[cfg(feature = "rdma")]
-    if let Some(device) = rdma {
-        use kvsan_engine::transport::rdma;
-        return serve_decode_peer(args, model, cfg, "RDMA", |_| {
-            let (link, rx) =
-                rdma::connect_prefill(peer.as_str(), retry, &device, opts.auth.as_ref())?;
-            let boxed: Box<dyn Link<ToDecode>> = Box::new(link);
-            Ok((boxed, rx))
-        });
-    }
-    #[cfg(not(feature = "rdma"))]
-    let None = rdma;
-    let mut previous: Option<Arc<TcpLink<ToDecode>>> = None;
-    serve_decode_peer(args, model, cfg, "TCP", |reconnecting| {
-        if let Some(prev) = previous.take().filter(|_| reconnecting) {
-            let why = prev
-                .down_reason()
-                .unwrap_or_else(|| "the link closed".into());
-            eprintln!("kvsan: the link to the decode node dropped ({why})");
-        }
-        let (link, rx) = tcp::connect_prefill(peer.as_str(), retry, opts)?;
-        let link = Arc::new(link);
-        previous = Some(link.clone());
-        let boxed: Box<dyn Link<ToDecode>> = Box::new(SharedLink(link));
-        Ok((boxed, rx))
-    })
-}
-
-/// The link to the decode node `dial` makes, and the inbox of its orders.
-type Dialed = (
-    Box<dyn Link<ToDecode>>,
-    crossbeam_channel::Receiver<kvsan_engine::transport::Inbound<ToPrefill>>,
-);
-
-/// Serves the decode node at `--peer` over the links `dial` makes (its
-/// argument: whether an earlier link dropped), until `dial` fails.
-fn serve_decode_peer(
-    args: &Args,
-    model: Arc<Model>,
-    cfg: &EngineConfig,
-    transport: &str,
-    mut dial: impl FnMut(bool) -> Result<Dialed, kvsan_engine::EngineError>,
-) -> anyhow::Result<()> {
     let peer = args.peer.as_deref().expect("checked by check_flags");
+    let retry = Duration::from_secs(args.peer_retry_secs);
+    let mut dialer = match rdma {
+        #[cfg(feature = "rdma")]
+        Some(device) => DecodeDialer::rdma(peer, retry, device, opts.auth.clone()),
+        None => DecodeDialer::tcp(peer, retry, opts.clone()),
+    };
+    let transport = dialer.transport();
     eprintln!(
         "kvsan: serving role=prefill peer={peer} transport={} prefix-cache={}",
         transport.to_ascii_lowercase(),
@@ -607,27 +560,9 @@ fn serve_decode_peer(
     );
     // Dropping the control would stop the node: keep it for the whole run.
     let (control, inbox) = PrefillControl::new();
-    let mut failure: Option<kvsan_engine::EngineError> = None;
-    let mut connected = false;
-    let connect = || {
-        if connected {
-            eprintln!("kvsan: reconnecting to the decode node over {transport}");
-        }
-        match dial(connected) {
-            Ok(dialed) => {
-                eprintln!("kvsan: connected to the decode node at {peer} over {transport}");
-                connected = true;
-                Some(dialed)
-            }
-            Err(e) => {
-                failure = Some(e);
-                None
-            }
-        }
-    };
-    serve_prefill(model, cfg, inbox, connect)?;
+    serve_prefill(model, cfg, inbox, || dialer.connect())?;
     drop(control);
-    match failure {
+    match dialer.into_failure() {
         Some(e @ kvsan_engine::EngineError::PeerAuth(_)) => Err(anyhow::Error::new(e).context(
             format!("the decode node at {peer} and this node did not authenticate each other"),
         )),

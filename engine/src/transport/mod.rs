@@ -16,13 +16,15 @@
 //! every request that needed the peer is then aborted with a transport error.
 //!
 //! Between processes the links come and go: the decode node accepts prefill
-//! nodes for as long as it runs ([`accept`]).
+//! nodes for as long as it runs ([`accept`]), and a prefill node dials its
+//! decode node again after each drop ([`reconnect`]).
 
 pub mod accept;
 pub mod in_process;
 pub mod peer_auth;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod reconnect;
 pub mod tcp;
 pub mod wire;
 
