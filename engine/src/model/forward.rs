@@ -22,15 +22,13 @@ use kvsan_kernels::guard::{Access, Reason, Refusal};
 use kvsan_sanitizer::PoolId;
 
 use crate::EngineError;
-use crate::faults::{self, Fault};
 use crate::hooks::Hooks;
 use crate::kv_access::{AttentionCheck, KvAccess, Logits, RowFault, SeqChunk, StepBatch};
 use crate::kv_pool::KvPool;
 use crate::model::Model;
 
-/// Rows of more new tokens than this take the long-chunk KV store path
-/// (the path fault `skip-layer-write` breaks).
-pub const LONG_CHUNK_TOKENS: usize = 64;
+mod faults;
+pub use self::faults::LONG_CHUNK_TOKENS;
 
 /// Scratch for one step; sized for `t` tokens.
 struct Scratch {
@@ -78,6 +76,7 @@ impl Model {
         let w = &self.weights;
         ops::embedding(&w.view(&w.token_embd), &kv.batch().tokens, &mut s.x);
         let positions = kv.batch().positions.clone();
+        // Rows whose KV store a layer skips: none (a fail point may mark some).
         let mut skip = vec![false; kv.batch().rows()];
 
         for (layer, lw) in w.layers.iter().enumerate() {
@@ -101,13 +100,7 @@ impl Model {
                 &positions,
                 c.rope_base,
             );
-            // Fault `skip-layer-write`: the long-chunk store path's layer
-            // loop stops one layer short.
-            if faults::active(Fault::SkipLayerWrite) && layer + 1 == c.n_layers {
-                for (r, skip) in skip.iter_mut().enumerate() {
-                    *skip = kv.batch().row_tokens(r).len() > LONG_CHUNK_TOKENS;
-                }
-            }
+            faults::skip_layer_write(layer, c.n_layers, kv.batch(), &mut skip);
             kv.store(layer, &s.k, &s.v, &skip);
             kv.attend(layer, c.n_heads, scale, &s.q, &mut s.att);
             matmul(&w.view(&lw.wo), &s.att, t_total, &mut s.proj);

@@ -19,28 +19,21 @@
 //! keep their place and the host cost per step grows with the pages added,
 //! not with the context.
 //!
-//! The fail points of the gap between a plan and a kernel's arguments live
-//! here, where that gap is: a decode length taken from the pages instead of
-//! the tokens, kernel rows reordered without their block-table rows, a slot
-//! mapping that forgets a chunk's offset in its page, a block-table row kept
-//! from the previous step, padding rows whose slot `-1` wraps. The kernels
-//! and their checks take whatever this builds.
+//! The fail points of the gap between a plan and a kernel's arguments are
+//! calls into this module's `faults` seams, where that gap is: a decode
+//! length taken from the pages instead of the tokens, kernel rows reordered
+//! without their block-table rows, a slot mapping that forgets a chunk's
+//! offset in its page, a block-table row kept from the previous step,
+//! padding rows whose slot `-1` wraps. The kernels and their checks take
+//! whatever this builds.
 
 use kvsan_kernels::StoreSlot;
 use kvsan_sanitizer::{BlockTable, Owner, PageId, PageRef};
 
-use crate::faults::{self, Fault};
 use crate::kv_access::{Logits, StepBatch};
 use crate::kv_pool::KvPool;
 
-/// Fault `padding-slot-wrap`: a batch of two or more rows is padded to a
-/// multiple of this many rows, as an engine that runs fixed batch shapes does.
-pub(crate) const PAD_ROWS_TO: usize = 4;
-
-/// Fault `decode-length-overrun`: decode rows of sequences longer than this
-/// take the long-context (split-KV) path, whose length the builder takes
-/// from the row's pages.
-pub const LONG_DECODE_TOKENS: usize = 256;
+mod faults;
 
 /// A block-table entry no page holds (past a row's pages).
 const NO_PAGE: PageRef = PageRef {
@@ -113,16 +106,8 @@ impl BatchBuilder {
             self.batch.width = widest;
             self.cache.clear();
         }
-        // Kernel rows follow the plan. Fault `block-table-row-order`: they
-        // are sorted longest-query first (for the kernel's load balance),
-        // but the block-table array is still written in plan order.
-        let mut order: Vec<usize> = (0..rows.len()).collect();
-        let reorder = faults::active(Fault::BlockTableRowOrder);
-        if reorder {
-            order.sort_by_key(|&i| std::cmp::Reverse(rows[i].tokens.len()));
-        }
-        let padding = padding_rows(rows.len());
-        let n_rows = rows.len() + padding;
+        // Kernel rows follow the plan, each with its own block table.
+        let order = faults::block_table_row_order(rows);
         let width = self.batch.width;
         let b = &mut self.batch;
         b.tokens.clear();
@@ -134,34 +119,22 @@ impl BatchBuilder {
         b.owners.clear();
         b.logits.clear();
         // Rows past the batch are dropped with what they held.
-        b.block_tables.resize(n_rows * width, NO_PAGE);
-        self.cache.truncate(n_rows);
-        self.cache.resize(n_rows, RowCache::default());
+        b.block_tables.resize(rows.len() * width, NO_PAGE);
+        self.cache.truncate(rows.len());
+        self.cache.resize(rows.len(), RowCache::default());
         self.plan_rows.clear();
-        for (r, &p) in order.iter().enumerate() {
-            let table_of = if reorder { r } else { p };
+        for (r, &(p, table)) in order.iter().enumerate() {
             fill_row(
                 &mut b.block_tables[r * width..(r + 1) * width],
                 &mut self.cache[r],
-                rows[table_of].table,
+                table,
             );
             let row = &rows[p];
             let n = row.tokens.len();
-            let mut seq_len = row.start + n;
-            // Fault `decode-length-overrun`: a long sequence's decode row
-            // attends over its pages' whole capacity.
-            if faults::active(Fault::DecodeLengthOverrun) && n == 1 && seq_len > LONG_DECODE_TOKENS
-            {
-                seq_len = row.table.capacity();
-            }
-            // Fault `slot-mapping-chunk-offset`: a prefill chunk that starts
-            // inside a page has its slots counted from the chunk's start.
-            let chunk_offset = faults::active(Fault::SlotMappingChunkOffset)
-                && n > 1
-                && !row.start.is_multiple_of(ps);
+            let seq_len = faults::decode_length_overrun(row, row.start + n);
+            let counted_from = faults::slot_mapping_chunk_offset(row, ps);
             for (i, &token) in row.tokens.iter().enumerate() {
                 let pos = row.start + i;
-                let slot = if chunk_offset { i % ps } else { pos % ps };
                 let entry = pos / ps;
                 let page = if entry < width {
                     b.block_tables[r * width + entry]
@@ -172,7 +145,7 @@ impl BatchBuilder {
                 b.positions.push(pos);
                 b.store_slots.push(StoreSlot {
                     page,
-                    slot: slot as u32,
+                    slot: ((counted_from + i) % ps) as u32,
                 });
             }
             b.seq_lens.push(seq_len as u32);
@@ -181,44 +154,8 @@ impl BatchBuilder {
             b.logits.push(row.logits);
             self.plan_rows.push(Some(p));
         }
-        if padding > 0 {
-            let first = &rows[order[0]];
-            let token = *first.tokens.last().expect("a planned row has tokens");
-            // Slot −1 of the flat slot array, unchecked: the pool's last slot,
-            // through the page as it is now.
-            let last = pool.n_pages() - 1;
-            let wrapped = PageRef {
-                page: PageId(last as u32),
-                generation: pool.generations()[last],
-            };
-            for r in rows.len()..n_rows {
-                let row = &mut b.block_tables[r * width..(r + 1) * width];
-                row.fill(NO_PAGE);
-                row[0] = wrapped;
-                self.cache[r] = RowCache::default();
-                b.tokens.push(token);
-                b.positions.push(ps - 1);
-                b.store_slots.push(StoreSlot {
-                    page: wrapped,
-                    slot: (ps - 1) as u32,
-                });
-                b.seq_lens.push(ps as u32);
-                b.query_start.push(b.tokens.len() as u32);
-                // Each padding row repeats the first row.
-                b.owners.push(first.owner);
-                b.logits.push(Logits::None);
-                self.plan_rows.push(None);
-            }
-        }
+        faults::padding_slot_wrap(self, rows, pool);
     }
-}
-
-/// Fault `padding-slot-wrap`: padding rows for a batch of `rows` rows.
-fn padding_rows(rows: usize) -> usize {
-    if !faults::active(Fault::PaddingSlotWrap) || rows < 2 {
-        return 0;
-    }
-    rows.next_multiple_of(PAD_ROWS_TO) - rows
 }
 
 /// Brings block-table row `row` up to `table`: the new entries if it holds
@@ -226,11 +163,7 @@ fn padding_rows(rows: usize) -> usize {
 /// past its end).
 fn fill_row(row: &mut [PageRef], cache: &mut RowCache, table: &BlockTable) {
     let pages = table.pages();
-    // Fault `stale-batch-array`: a row whose table has as many pages as the
-    // row held last step is taken as unchanged — even when it is another
-    // request's table now.
-    if faults::active(Fault::StaleBatchArray) && cache.copied == pages.len() && cache.epoch != 0 {
-        cache.epoch = table.epoch();
+    if faults::stale_batch_array(cache, table) {
         return;
     }
     if cache.epoch == table.epoch() && cache.copied <= pages.len() {
