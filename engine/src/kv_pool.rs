@@ -21,9 +21,10 @@ use kvsan_kernels::attention::KvGeometry;
 use kvsan_sanitizer::{Generation, PageId, PageRef};
 
 use crate::EngineError;
-use crate::faults::{self, Fault};
 
 pub use crate::error::PoolError;
+
+mod faults;
 
 /// A pool of KV pages for one model geometry.
 #[derive(Debug)]
@@ -178,11 +179,7 @@ impl KvPool {
     pub fn free(&mut self, page: PageRef) -> Result<(), PoolError> {
         let idx = page.page.0 as usize;
         let current = self.generations.get(idx).copied();
-        // Fault `double-free`: the pool has no "already free" check, like an
-        // allocator that only pushes indices back on its list; a page freed
-        // twice at the same generation goes on the free list twice.
-        let already_free =
-            self.is_free.get(idx).copied().unwrap_or(false) && !faults::active(Fault::DoubleFree);
+        let already_free = faults::double_free(self.is_free.get(idx).copied().unwrap_or(false));
         if current != Some(page.generation) || already_free {
             return Err(PoolError::BadFree {
                 page: page.page.0,

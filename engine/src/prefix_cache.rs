@@ -31,8 +31,9 @@ use std::str::FromStr;
 
 use kvsan_sanitizer::{Owner, PageId, PageRef, RequestId, TenantId};
 
-use crate::faults::{self, Fault};
 use crate::request::CacheSalt;
+
+mod faults;
 
 /// Who may share a cached page (`--prefix-cache`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -112,13 +113,7 @@ pub fn extra_keys(policy: PrefixCachePolicy, tenant: TenantId, salt: &CacheSalt)
         keys.extend_from_slice(&(id.len() as u32).to_le_bytes());
         keys.extend_from_slice(&id);
     }
-    if faults::active(Fault::CacheKeyCollision) {
-        for part in [&salt.server, &salt.client].into_iter().flatten() {
-            keys.extend_from_slice(part.as_bytes());
-        }
-    } else {
-        keys.extend_from_slice(&salt.encode());
-    }
+    keys.extend_from_slice(&faults::cache_key_collision(salt.encode(), salt));
     keys
 }
 
@@ -243,10 +238,7 @@ impl PrefixCache {
     /// `cache-evict-referenced`, every cached page.
     #[must_use]
     pub fn evictable(&self) -> usize {
-        if faults::active(Fault::CacheEvictReferenced) {
-            return self.entries.len();
-        }
-        self.lru.len()
+        faults::evictable_referenced(self, self.lru.len())
     }
 
     /// Whether `page` is a cached page at that generation.
@@ -280,20 +272,7 @@ impl PrefixCache {
                 None => break,
             }
         }
-        if faults::active(Fault::CachePartialPageShared) {
-            // The page after the full ones, matched on as many of its
-            // tokens as some cached partial page holds.
-            let at = hits.len() * ps;
-            for m in (1..ps).rev() {
-                if at + m > usable {
-                    continue;
-                }
-                if let Some(hit) = self.find(hits.last(), keys, &tokens[at..at + m]) {
-                    hits.push(hit);
-                    break;
-                }
-            }
-        }
+        faults::cache_partial_page_shared(self, keys, tokens, usable, &mut hits);
         self.hits += hits.iter().map(|h| h.tokens as u64).sum::<u64>();
         hits
     }
@@ -398,10 +377,7 @@ impl PrefixCache {
     pub fn evict(&mut self) -> Option<(PageRef, Owner)> {
         let page = match self.lru.pop_first() {
             Some((_, page)) => page,
-            None if faults::active(Fault::CacheEvictReferenced) => {
-                self.entries.values().min_by_key(|e| e.born)?.page.page
-            }
-            None => return None,
+            None => faults::evict_referenced(self)?,
         };
         let e = self.entries.remove(&page)?;
         if let Some(tick) = e.lru {

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId};
 
 use crate::anomaly::{AnomalyCounts, FirstToken, Monitor};
-use crate::faults::{self, Fault};
 use crate::hooks::{Hooks, KernelShadowHandle};
 use crate::kv_access::{KvAccess, RowFault};
 use crate::kv_pool::KvPool;
@@ -18,6 +17,8 @@ use crate::node::lifecycle::Lifecycle;
 use crate::node::sequence::Sequence;
 use crate::prefix_cache::{self, PrefixCache, PrefixCachePolicy};
 use crate::request::{ErrorKind, RequestError, Violated};
+
+mod faults;
 
 /// Counters a node keeps for tests and the operator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -246,11 +247,7 @@ impl Executor {
             if !verdict.is_continue() {
                 return Err(RequestError::aborted_by(verdict, &self.name));
             }
-            if faults::active(Fault::CacheRegisterBeforeWrite) {
-                // Keyed by the tokens the page is to hold, before the step
-                // that writes them has run.
-                self.register_pages(seq, seq.tokens.len());
-            }
+            faults::cache_register_before_write(self, seq);
         }
         Ok(true)
     }
@@ -272,17 +269,7 @@ impl Executor {
         let (page, holder) = self.cache.evict()?;
         self.stats.cached_pages = self.cache.len();
         self.free_page(holder, page);
-        let idx = page.page.0 as usize;
-        if faults::active(Fault::CacheEvictReferenced)
-            && self.holders[idx] > 0
-            && self.pool.generations()[idx] == page.generation
-        {
-            // Back to the pool, whoever else holds it.
-            self.holders[idx] = 0;
-            if let Err(e) = self.pool.free(page) {
-                tracing::error!(node = %self.name, "{e}");
-            }
-        }
+        faults::cache_evict_referenced(self, page);
         Some(())
     }
 
@@ -349,17 +336,12 @@ impl Executor {
         }
         let ps = self.pool.page_slots();
         let full = upto.min(seq.tokens.len()) / ps;
-        let salt_dropped;
-        let keys: &[u8] = if faults::active(Fault::CacheSaltDropped) && !seq.cache_salt.is_empty() {
-            salt_dropped = prefix_cache::extra_keys(
-                self.cache.policy(),
-                seq.owner.tenant,
-                &crate::request::CacheSalt::default(),
-            );
-            &salt_dropped
-        } else {
-            &seq.cache_keys
-        };
+        let keys = faults::cache_salt_dropped(
+            self.cache.policy(),
+            seq.owner.tenant,
+            &seq.cache_salt,
+            &seq.cache_keys,
+        );
         while seq.page_hashes.len() < full.min(seq.table.len()) {
             let i = seq.page_hashes.len();
             let tokens = &seq.tokens[i * ps..(i + 1) * ps];
@@ -367,7 +349,7 @@ impl Executor {
             if parent.is_some_and(|p| !self.cache.holds(p)) {
                 return;
             }
-            let hash = prefix_cache::page_hash(seq.page_hashes.last().copied(), keys, tokens);
+            let hash = prefix_cache::page_hash(seq.page_hashes.last().copied(), &keys, tokens);
             let page = seq.table.pages()[i];
             if !self.cache.holds(page) {
                 if self.cache.contains_hash(hash) {
@@ -379,42 +361,12 @@ impl Executor {
                 }
                 self.holders[page.page.0 as usize] += 1;
                 self.cache
-                    .insert(hash, page, parent, keys, tokens, seq.owner.tenant);
+                    .insert(hash, page, parent, &keys, tokens, seq.owner.tenant);
                 self.stats.cached_pages = self.cache.len();
             }
             seq.page_hashes.push(hash);
         }
-        if faults::active(Fault::CachePartialPageShared) {
-            self.register_partial_page(seq, upto, keys.to_vec());
-        }
-    }
-
-    /// Fault `cache-partial-page-shared`: the partial page after the full
-    /// ones is registered under the tokens it holds so far.
-    fn register_partial_page(&mut self, seq: &Sequence, upto: usize, keys: Vec<u8>) {
-        let ps = self.pool.page_slots();
-        let i = seq.page_hashes.len();
-        let end = upto.min(seq.tokens.len());
-        if end <= i * ps || end >= (i + 1) * ps || i >= seq.table.len() {
-            return;
-        }
-        let page = seq.table.pages()[i];
-        let parent = i.checked_sub(1).map(|p| seq.table.pages()[p]);
-        if self.cache.holds(page) || parent.is_some_and(|p| !self.cache.holds(p)) {
-            return;
-        }
-        let tokens = &seq.tokens[i * ps..end];
-        let hash = prefix_cache::page_hash(seq.page_hashes.last().copied(), &keys, tokens);
-        if self.cache.contains_hash(hash) {
-            return;
-        }
-        let holder = prefix_cache::holder(seq.owner.tenant);
-        if self.hooks.share(self.pool_id, page, holder).is_continue() {
-            self.holders[page.page.0 as usize] += 1;
-            self.cache
-                .insert(hash, page, parent, &keys, tokens, seq.owner.tenant);
-            self.stats.cached_pages = self.cache.len();
-        }
+        faults::cache_partial_page_shared(self, seq, upto, &keys);
     }
 
     /// The anomaly monitor's check of `seq` as its first token is about to
@@ -434,20 +386,12 @@ impl Executor {
     /// Lets go of every page of `seq` (each goes back to the pool when its
     /// last holder lets go).
     pub fn release(&mut self, seq: &mut Sequence) {
-        if faults::active(Fault::CacheKeepsAborted) && seq.computed < seq.prompt_len {
-            // The unfinished prefill's pages, kept as if it had filled them.
-            self.register_pages(seq, seq.prompt_len);
-        }
+        faults::cache_keeps_aborted(self, seq);
         // Last page first: the free list is a stack, so the next request
         // gets these pages back in their original order.
         let pages: Vec<PageRef> = seq.table.take().into_iter().rev().collect();
-        // Fault `double-free`: the tail page is freed on its own first (as
-        // when the page being filled was kept outside the block table) and
-        // then again with the rest of the table.
-        let tail = faults::active(Fault::DoubleFree)
-            .then(|| pages.first().copied())
-            .flatten();
-        for page in tail.into_iter().chain(pages) {
+        faults::double_free(self, seq.owner, &pages);
+        for page in pages {
             self.free_page(seq.owner, page);
         }
         seq.computed = 0;

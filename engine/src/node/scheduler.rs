@@ -16,11 +16,12 @@ use std::collections::VecDeque;
 
 use kvsan_sanitizer::RequestId;
 
-use crate::faults::{self, Fault};
 use crate::node::executor::{Executor, Planned};
 use crate::node::lifecycle::State;
 use crate::node::sequence::Sequence;
 use crate::request::{ErrorKind, RequestError};
+
+mod faults;
 
 /// Limits of one step.
 #[derive(Clone, Copy, Debug)]
@@ -287,16 +288,7 @@ impl Scheduler {
             .filter(|&j| j != keep)
             .max_by_key(|&j| self.running[j].admitted_at)?;
         let mut seq = self.running.remove(v);
-        // Fault `stale-block-table`: the pages are freed from a copy of the
-        // block table and the sequence keeps its own. On resume
-        // `ensure_pages` finds the table long enough and allocates nothing,
-        // so the recompute writes and reads pages the free list has since
-        // handed to another request.
-        let kept = faults::active(Fault::StaleBlockTable).then(|| seq.table.clone());
-        core.release(&mut seq);
-        if let Some(table) = kept {
-            seq.table = table;
-        }
+        faults::stale_block_table(&mut seq, |seq| core.release(seq));
         core.stats.preemptions += 1;
         let id = seq.owner.request;
         match core.lifecycle.enter(seq.owner, State::Queued) {
