@@ -15,21 +15,22 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
 
-use kvsan_sanitizer::{Manifest, Owner, PageId, PageLanding, PageRef, RequestId, Verdict};
+use kvsan_sanitizer::{Manifest, Owner, PageLanding, PageRef, RequestId, Verdict};
 
-use crate::faults::{self, Fault};
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
 use crate::node::executor::Executor;
 use crate::node::lifecycle::State;
 use crate::node::scheduler::Scheduler;
 use crate::node::sequence::Sequence;
-use crate::node::step_loop::{self, fail, fail_in_place, new_sequence};
+use crate::node::step_loop::{self, fail, new_sequence};
 use crate::request::{ErrorKind, Event, Request, RequestError};
 use crate::transport::{
     Inbound, KvPayload, KvTransfer, LandingZone, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill,
     kv_checksum, kv_payload_len, kv_slices, landing_seed,
 };
+
+mod faults;
 
 /// The first `written` slots of a wire piece of `slots` slots × `layers`
 /// layers (per layer, K then V, each `slots` slot widths): the whole piece
@@ -53,9 +54,6 @@ fn slot_prefix(
             .collect(),
     )
 }
-
-/// The token a rejected prompt is replaced by under `reject-as-placeholder`.
-const PLACEHOLDER_TOKEN: u32 = 0;
 
 /// The current link to a prefill node.
 struct PrefillPeer {
@@ -285,7 +283,7 @@ impl DecodeNode {
         ];
         let context = self.context.min(info.context_length);
         let checked = admission::check(&request, &self.core.model, "decode", context, &limits);
-        let request_copy = faults::active(Fault::RejectAsPlaceholder).then(|| request.clone());
+        let kept = faults::keep_rejected(&request);
         match checked.and_then(|()| {
             new_sequence(
                 owner,
@@ -299,37 +297,11 @@ impl DecodeNode {
                 // Refused either way; a move the lifecycle refuses is logged there.
                 let _ = self.core.lifecycle.refuse(owner, &e);
                 tracing::info!(node = %self.core.name, request = owner.request.0, tenant = owner.tenant.0, "request refused: {}", e.message);
-                let over_prefill = e.rejection.as_ref().is_some_and(|r| r.node == "prefill");
-                if over_prefill && let Some(request) = request_copy {
-                    self.admit_rejected_as_placeholder(owner, request, events);
+                if faults::reject_as_placeholder(self, owner, &e, kept, &events) {
                     return;
                 }
                 let _ = events.send(Event::Error(e));
             }
-        }
-    }
-
-    /// Fault `reject-as-placeholder` (the incident): the rejected request's
-    /// prompt becomes a one-token placeholder, queued again under the
-    /// request's id so it can drain through the batching machinery. Nothing
-    /// on this path asks whether the request was rejected: the rejection
-    /// ended the lifecycle's record of it, so to the lifecycle, which keeps
-    /// live requests only, the placeholder is a new request, and the
-    /// disaggregated admission takes it like any queued one. Pages are
-    /// reserved for the whole prompt, prefill computes one token, and
-    /// decode commits the whole reservation.
-    fn admit_rejected_as_placeholder(
-        &mut self,
-        owner: Owner,
-        request: Request,
-        events: Sender<Event>,
-    ) {
-        match new_sequence(owner, request, self.core.pool.page_slots(), Some(events)) {
-            Ok(mut seq) => {
-                seq.placeholder = true;
-                self.reserve.extend(step_loop::queue(&mut self.core, seq));
-            }
-            Err(e) => tracing::error!(node = %self.core.name, "placeholder: {}", e.message),
         }
     }
 
@@ -378,11 +350,7 @@ impl DecodeNode {
             };
             let order = PrefillOrder {
                 owner: seq.owner,
-                prompt: if seq.placeholder {
-                    vec![PLACEHOLDER_TOKEN]
-                } else {
-                    seq.tokens[..seq.prompt_len].to_vec()
-                },
+                prompt: faults::placeholder_prompt(&seq, seq.tokens[..seq.prompt_len].to_vec()),
                 sampling: *seq.sampler.params(),
                 dst_pool: self.core.pool_id,
                 dst_pages: seq.table.pages().to_vec(),
@@ -504,13 +472,9 @@ impl DecodeNode {
             let unfenced = self.unfenced.get(&id).is_some_and(|pages| {
                 manifest.dst_pool == self.core.pool_id && manifest.dst_pages == *pages
             });
-            // Fault `transfer-replayed-after-commit`: a message for a request
-            // this node no longer holds is taken for the retry of a lost
-            // write.
-            let replayed = faults::active(Fault::TransferReplayedAfterCommit)
-                && manifest.dst_pool == self.core.pool_id;
+            let replayed = faults::transfer_replayed_after_commit(self, &manifest);
             if unfenced || replayed {
-                self.land_late(&manifest, &payload, &digests);
+                faults::land_late(self, &manifest, &payload, &digests);
                 return;
             }
             tracing::warn!(node = %self.core.name, request = id.0, "KV transfer for an unknown request dropped");
@@ -551,24 +515,6 @@ impl DecodeNode {
                 seq.prompt_len,
                 layers,
             );
-        }
-    }
-
-    /// Fault `free-during-transfer`: the KV of a request cancelled while
-    /// its transfer was in flight lands after all, in the destination pages
-    /// the request held, which the free list may have handed to another
-    /// request since (the late DMA of an unfenced transfer). The hook sees
-    /// it first; on its abort verdict nothing is written (the request has
-    /// already ended, so there is nobody to fail).
-    fn land_late(&mut self, manifest: &Manifest, payload: &KvPayload, digests: &[u64]) {
-        let id = manifest.request.request;
-        let mut verdict = self.core.hooks.transfer_recv(self.core.pool_id, manifest);
-        self.core.stats.transfers += 1;
-        if verdict.is_continue() {
-            verdict = self.land(manifest, payload, digests);
-        }
-        if !verdict.is_continue() {
-            tracing::warn!(node = %self.core.name, request = id.0, "late KV transfer refused");
         }
     }
 
@@ -652,65 +598,17 @@ impl DecodeNode {
 
     /// Where the copy of a manifest's piece for block-table entry `idx`
     /// (slots `slots` of its page) really writes: the entry's page and the
-    /// same slots, unless a fault bends it. The page is tagged with its
-    /// current generation: a copy lands in the page as it is now.
+    /// same slots, unless a fail point bends it.
     fn copy_destination(
         &self,
         manifest: &Manifest,
         idx: usize,
         slots: Range<usize>,
     ) -> (PageRef, Range<usize>) {
-        let ps = self.core.pool.page_slots();
-        let now = |page: PageId| PageRef {
-            page,
-            generation: self.core.pool.generations()[page.0 as usize],
-        };
-        if faults::active(Fault::OverlappingTransfer)
-            && let Some(page) = self.one_page_early(manifest, idx)
-        {
-            return (now(page), slots);
-        }
-        // The bulk path of the two faults below: a message of whole pages.
-        let whole_pages = (manifest.first_token as usize).is_multiple_of(ps)
-            && (manifest.first_token as usize + manifest.tokens as usize).is_multiple_of(ps);
-        if whole_pages && faults::active(Fault::DescriptorOffsetDropped) {
-            // The message's base: its first destination page.
-            let base = manifest.dst_pages[manifest.first_token as usize / ps].page;
-            return (now(base), slots);
-        }
-        if whole_pages && faults::active(Fault::BlockSizeMismatch) {
-            let half = ps / 2;
-            return (
-                manifest.dst_pages[idx],
-                slots.start.min(half)..slots.end.min(half),
-            );
-        }
-        (manifest.dst_pages[idx], slots)
-    }
-
-    /// Fault `overlapping-transfer`: the receiver computes where a
-    /// message's KV goes back from the message's end, with its page count
-    /// taken as `tokens / page_slots + 1` instead of rounded up. For a
-    /// message that ends on a page boundary the count is one too many and
-    /// the destination is off by one page: each page of the message is
-    /// written into the physically preceding page of the pool, the first of
-    /// them a page the request does not hold (on a reservation taken in page
-    /// order, the previous reservation's last page).
-    ///
-    /// Returns the page the copy of block-table entry `idx` really writes,
-    /// or `None` where the fault leaves the message as it is: a message that
-    /// does not end on a page boundary, or one touching the pool's first
-    /// page (its destination would start before the pool).
-    fn one_page_early(&self, manifest: &Manifest, idx: usize) -> Option<PageId> {
-        let ps = self.core.pool.page_slots();
-        let start = manifest.first_token as usize;
-        let end = start + manifest.tokens as usize;
-        let touched = start / ps..end.div_ceil(ps);
-        let counted = manifest.tokens as usize / ps + 1;
-        if counted <= touched.len() || manifest.dst_pages[touched].iter().any(|p| p.page.0 == 0) {
-            return None;
-        }
-        Some(PageId(manifest.dst_pages[idx].page.0 - 1))
+        faults::overlapping_transfer(self, manifest, idx, &slots)
+            .or_else(|| faults::descriptor_offset_dropped(self, manifest, &slots))
+            .or_else(|| faults::block_size_mismatch(self, manifest, idx, &slots))
+            .unwrap_or((manifest.dst_pages[idx], slots))
     }
 
     /// Frame-level checks of a transfer: the request's own pages, sizes,
@@ -820,7 +718,7 @@ impl DecodeNode {
                 match self.left_for_cleanup.remove(&request) {
                     Some(mut seq) => {
                         seq.peer_queued = peer_queued;
-                        self.commit_left_for_cleanup(seq, first_token);
+                        faults::commit_left_for_cleanup(self, seq, first_token);
                     }
                     None => {
                         self.unfenced.remove(&request);
@@ -876,21 +774,6 @@ impl DecodeNode {
         }
     }
 
-    /// Fault `commit-after-abort`: the completion of a request cancelled
-    /// while its KV was on its way is taken for a live one's. The lifecycle,
-    /// which ended the request at the cancel, is not asked: the record the
-    /// lazy cancel left, with the block table of its freed pages, is
-    /// committed and decodes.
-    fn commit_left_for_cleanup(&mut self, seq: Sequence, first_token: u32) {
-        if !self.commit_hook(&seq).is_continue() {
-            // Its client has its answer and its pages are not its own any
-            // more: nothing to fail, nothing to free.
-            tracing::warn!(node = %self.core.name, request = seq.owner.request.0, "commit of a cancelled request refused");
-            return;
-        }
-        self.start_decoding(seq, first_token);
-    }
-
     fn cancel_at_prefill(&self, request: RequestId) {
         if let Some(peer) = &self.peer {
             let _ = peer.link.send(ToPrefill::Cancel { request });
@@ -918,21 +801,14 @@ impl DecodeNode {
     }
 
     /// Cancels a request whose KV is on its way.
-    fn cancel_transfer(&mut self, mut seq: Sequence, cancelled: RequestError) {
+    fn cancel_transfer(&mut self, seq: Sequence, cancelled: RequestError) {
+        let Some((seq, cancelled)) = faults::commit_after_abort(self, seq, cancelled) else {
+            return;
+        };
+        let Some((mut seq, cancelled)) = faults::free_during_transfer(self, seq, cancelled) else {
+            return;
+        };
         let id = seq.owner.request;
-        if faults::active(Fault::CommitAfterAbort) {
-            self.cancel_lazily(seq, cancelled);
-            return;
-        }
-        if faults::active(Fault::FreeDuringTransfer) {
-            // The pages go back to the free list at once, but the transfer
-            // in flight is taken for one that cannot be stopped: prefill is
-            // not told, and its KV is still received into the pages
-            // (`land_late`).
-            self.unfenced.insert(id, seq.table.pages().to_vec());
-            fail(&mut self.core, seq, cancelled);
-            return;
-        }
         // Drain: the client has its answer now; the pages stay the
         // request's until prefill acknowledges the cancel.
         if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Draining) {
@@ -943,20 +819,6 @@ impl DecodeNode {
         seq.events = None;
         self.cancel_at_prefill(id);
         self.awaiting_kv.insert(id, seq);
-    }
-
-    /// Fault `commit-after-abort`: a cancel of a request whose KV is on its
-    /// way that cleans up lazily. The pages go back to the free list and the
-    /// client gets its answer at once; the request's record, block table
-    /// included, is left for the end of the transfer to remove, and prefill
-    /// is not told (its completion is the cleanup's cue). The KV pieces
-    /// still to come are dropped (`receive`), the completion is not
-    /// (`commit`).
-    fn cancel_lazily(&mut self, mut seq: Sequence, error: RequestError) {
-        let table = seq.table.clone();
-        fail_in_place(&mut self.core, &mut seq, error);
-        seq.table = table;
-        self.left_for_cleanup.insert(seq.owner.request, seq);
     }
 
     /// Prefill acknowledged a cancelled request (or the link to it is

@@ -14,7 +14,6 @@ use std::collections::HashMap;
 use crossbeam_channel::{Receiver, select};
 use kvsan_sanitizer::{Manifest, PoolId, RequestId};
 
-use crate::faults::{self, Fault};
 use crate::node::Command;
 use crate::node::admission::{self, PoolLimit};
 use crate::node::executor::{ChunkOutcome, Executor};
@@ -27,6 +26,8 @@ use crate::transport::{
     Inbound, KvPayload, KvTransfer, Link, NodeInfo, PrefillOrder, ToDecode, ToPrefill, kv_checksum,
     kv_slices, landing_digests,
 };
+
+mod faults;
 
 /// Tokens per KV transfer message (a prompt's KV goes in pieces of this size).
 pub const TRANSFER_TOKENS: usize = 64;
@@ -43,9 +44,8 @@ pub(crate) struct PrefillNode {
     pub sched: Scheduler,
     pub context: usize,
     dests: HashMap<RequestId, Destination>,
-    /// Fault `transfer-replayed-after-commit`: the last KV message of the
-    /// request shipped last, kept for a retry.
-    kept_for_retry: Option<KvTransfer>,
+    /// KV messages a fail point keeps for a retry (none without it).
+    retry: faults::Retry,
 }
 
 /// Why the prefill loop returned.
@@ -63,7 +63,7 @@ impl PrefillNode {
             sched,
             context,
             dests: HashMap::new(),
-            kept_for_retry: None,
+            retry: faults::Retry::default(),
         }
     }
 
@@ -262,14 +262,8 @@ impl PrefillNode {
             return;
         }
         let layers = self.core.model.config().n_layers;
-        let prompt_len = seq.prompt_len;
-        let mut shipped = prompt_len;
-        if faults::active(Fault::ShortTransfer) && prompt_len > TRANSFER_TOKENS {
-            // The last piece is dropped.
-            shipped = (prompt_len - 1) / TRANSFER_TOKENS * TRANSFER_TOKENS;
-        }
+        let shipped = faults::short_transfer(seq.prompt_len);
         let mut first = 0;
-        let mut last = None;
         while first < shipped {
             let tokens = TRANSFER_TOKENS.min(shipped - first);
             let manifest = Manifest {
@@ -310,9 +304,7 @@ impl PrefillNode {
                 payload: KvPayload::Bytes(bytes),
                 digests,
             };
-            if faults::active(Fault::TransferReplayedAfterCommit) && first + tokens >= shipped {
-                last = Some(transfer.clone());
-            }
+            faults::keep_for_retry(&mut self.retry, &transfer, first + tokens >= shipped);
             let sent = link.send(ToDecode::Kv(transfer));
             if sent.is_err() {
                 self.end(seq, State::Aborted);
@@ -327,11 +319,7 @@ impl PrefillNode {
         let cached_tokens = u32::try_from(seq.cached_tokens).unwrap_or(u32::MAX);
         let queued_us = u64::try_from(seq.queued().as_micros()).unwrap_or(u64::MAX);
         self.end(seq, State::Finished);
-        // Fault `transfer-replayed-after-commit`: the previous request's last
-        // message goes again, as the retry of a write never acknowledged.
-        if let Some(kept) = std::mem::replace(&mut self.kept_for_retry, last) {
-            let _ = link.send(ToDecode::Kv(kept));
-        }
+        faults::replay_for_retry(&mut self.retry, link);
         let _ = link.send(ToDecode::PrefillDone {
             request,
             first_token,
