@@ -8,6 +8,13 @@
 //! Faults are chosen at run time: `KVSAN_FAULTS=name[,name]` (read once), or
 //! [`set`] (the CLI's `--inject name`).
 //!
+//! This module is the leaf the engine's code calls into: the names and the
+//! switch. Each fail point in a production path is one call to a small
+//! named seam in a `faults` module beside that code (`node/batch/faults.rs`,
+//! `node/decode/faults.rs`, `prefix_cache/faults.rs`, …), which asks
+//! [`active`] and is the identity, or a no-op, unless its fault is
+//! injected; the paths only a fault takes live there too.
+//!
 //! | fault | what the engine then does wrong |
 //! | --- | --- |
 //! | `reject-as-placeholder` | an oversize prompt is rejected into a one-token placeholder, queued again under the request's id to drain through the batching machinery; nothing on the disaggregated admission path asks whether the request was rejected (the engine's lifecycle keeps live requests only, so to it the placeholder is a new request), so decode reserves pages for the whole prompt, prefill sends KV for one token, and decode reads its whole reservation |
@@ -19,7 +26,7 @@
 //! | `overlapping-transfer` | decode computes the destination of a KV transfer message's copy back from its end with the page count taken as `tokens / page_slots + 1`: a message ending on a page boundary is written one page early, its first page's KV landing in the physically preceding page — another request's |
 //! | `commit-after-abort` | decode, cancelling a request whose KV is on its way, frees its reserved pages at once, ends the request, and leaves its record for the transfer's end to clean up (prefill is not told; the KV pieces that still come are dropped): the completion — prefill's commit of the last chunk, with the first token — finds that record and is not checked against the lifecycle, which ended the request, so decode commits the cancelled request and decodes it through the block table it had, writing its tokens' KV into pages the free list has since handed to another request |
 //! | `padding-slot-wrap` | a batch of two or more rows is padded to a multiple of 4 rows (fixed batch shapes); each padding row repeats the first row (its request and last token) with slot mapping −1, which, unchecked, wraps to the pool's last slot: the first row's KV lands in the page of whichever request owns the pool's last page |
-//! | `decode-length-overrun` | a decode row of a sequence past `LONG_DECODE_TOKENS` (`node/batch.rs`) tokens takes the long-context path, whose attention length the batch gives as the row's pages' capacity (pages × page slots) instead of its tokens: it attends over its last page's unwritten slots, which hold the page's previous owner's KV |
+//! | `decode-length-overrun` | a decode row of a sequence past `LONG_DECODE_TOKENS` (`node/batch/faults.rs`) tokens takes the long-context path, whose attention length the batch gives as the row's pages' capacity (pages × page slots) instead of its tokens: it attends over its last page's unwritten slots, which hold the page's previous owner's KV |
 //! | `block-table-row-order` | the batch's kernel rows (queries, lengths, store positions) are sorted longest-query first for the kernel's load balance, but the block-table array is written in plan order: a row whose place moved reads, and stores into, another row's pages |
 //! | `slot-mapping-chunk-offset` | a prefill chunk that starts inside a page gets its store slots counted from the chunk's start (`i % page_slots`, not `(start + i) % page_slots`): its tokens' KV lands on slots its own earlier tokens hold, and its real slots stay as the page's previous owner left them, which attention then reads |
 //! | `cache-register-before-write` | the prefix cache registers a page when it is allocated for a prompt chunk, keyed by the prompt tokens it is to hold, not after the step that writes them: a request admitted in the same step finds the page, and attends over its slots that the writer's next chunk has not yet written — the page's previous owner's KV |
