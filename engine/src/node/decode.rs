@@ -81,23 +81,37 @@ pub(crate) struct DecodeNode {
     context: usize,
     peer: Option<PrefillPeer>,
     epochs: u64,
-    /// Submitted before the prefill node announced its capacity.
-    unchecked: VecDeque<(Owner, Request, Sender<Event>)>,
-    /// Admitted, waiting for pages to reserve.
-    reserve: VecDeque<Sequence>,
+    /// Every request this node holds until its scheduler runs it, one
+    /// record each: where it is on the way to decoding (its state is the
+    /// lifecycle's).
+    records: HashMap<RequestId, Record>,
+    /// The requests waiting for admission or pages, in arrival order.
+    arrivals: VecDeque<RequestId>,
+    tx: Sender<Command>,
+}
+
+/// Where a request is on the decode node before its scheduler runs it.
+enum Record {
+    /// Submitted before the prefill node announced its capacity: not yet
+    /// admitted.
+    Unchecked {
+        owner: Owner,
+        request: Request,
+        events: Sender<Event>,
+    },
+    /// Admitted, waiting for pages to reserve (lifecycle: queued).
+    Reserving(Sequence),
     /// Pages reserved and the prefill order sent: the KV is on its way
     /// (lifecycle: transferring), or the request was cancelled while it was
     /// (draining: answered, its pages kept until prefill acknowledges).
-    awaiting_kv: HashMap<RequestId, Sequence>,
-    /// Fault `free-during-transfer`: requests cancelled while their KV was
-    /// on its way, whose transfer was never fenced, with the destination
-    /// pages it still lands in.
-    unfenced: HashMap<RequestId, Vec<PageRef>>,
-    /// Fault `commit-after-abort`: requests cancelled while their KV was on
-    /// its way, whose pages are already back on the free list, left with the
-    /// block table they had for the end of their transfer to clean up.
-    left_for_cleanup: HashMap<RequestId, Sequence>,
-    tx: Sender<Command>,
+    AwaitingKv(Sequence),
+    /// Fault `free-during-transfer`: cancelled while its KV was on its way,
+    /// the transfer never fenced; the destination pages it still lands in.
+    Unfenced(Vec<PageRef>),
+    /// Fault `commit-after-abort`: cancelled while its KV was on its way,
+    /// its pages already back on the free list, left with the block table
+    /// it had for the end of its transfer to clean up.
+    LeftForCleanup(Sequence),
 }
 
 impl DecodeNode {
@@ -116,11 +130,8 @@ impl DecodeNode {
             context,
             peer: None,
             epochs: 0,
-            unchecked: VecDeque::new(),
-            reserve: VecDeque::new(),
-            awaiting_kv: HashMap::new(),
-            unfenced: HashMap::new(),
-            left_for_cleanup: HashMap::new(),
+            records: HashMap::new(),
+            arrivals: VecDeque::new(),
             tx,
         }
     }
@@ -139,7 +150,41 @@ impl DecodeNode {
     }
 
     fn idle(&self) -> bool {
-        self.sched.is_idle() && self.reserve.is_empty()
+        self.sched.is_idle()
+            && !self
+                .arrivals
+                .iter()
+                .any(|id| matches!(self.records.get(id), Some(Record::Reserving(_))))
+    }
+
+    /// Queues an admitted sequence for pages, last.
+    fn queue_for_pages(&mut self, seq: Sequence) {
+        let id = seq.owner.request;
+        self.records.insert(id, Record::Reserving(seq));
+        self.arrivals.push_back(id);
+    }
+
+    /// The sequence of a request whose record is [`Record::AwaitingKv`],
+    /// taken out of it; `None` (the record left as it is) for any other.
+    fn take_awaiting(&mut self, id: RequestId) -> Option<Sequence> {
+        match self.records.remove(&id)? {
+            Record::AwaitingKv(seq) => Some(seq),
+            other => {
+                self.records.insert(id, other);
+                None
+            }
+        }
+    }
+
+    /// Forgets a fault's record of an ended request (`Unfenced`,
+    /// `LeftForCleanup`): nothing more of it is expected.
+    fn forget_ended(&mut self, id: RequestId) {
+        if matches!(
+            self.records.get(&id),
+            Some(Record::Unfenced(_) | Record::LeftForCleanup(_))
+        ) {
+            self.records.remove(&id);
+        }
     }
 
     /// The node's loop.
@@ -178,12 +223,17 @@ impl DecodeNode {
             Command::Cancel(id) => self.cancel(id),
             Command::Stats(tx) => {
                 let mut s = step_loop::stats(&self.core, &self.sched);
-                let transferring = self
-                    .awaiting_kv
-                    .keys()
-                    .filter(|&&id| self.core.lifecycle.state(id) == Some(State::Transferring))
+                s.waiting += self
+                    .records
+                    .iter()
+                    .filter(|&(&id, record)| match record {
+                        Record::Unchecked { .. } | Record::Reserving(_) => true,
+                        Record::AwaitingKv(_) => {
+                            self.core.lifecycle.state(id) == Some(State::Transferring)
+                        }
+                        Record::Unfenced(_) | Record::LeftForCleanup(_) => false,
+                    })
                     .count();
-                s.waiting += self.reserve.len() + self.unchecked.len() + transferring;
                 let _ = tx.send(s);
             }
             Command::AttachPrefill {
@@ -268,7 +318,26 @@ impl DecodeNode {
             return;
         };
         let Some(info) = peer.info else {
-            self.unchecked.push_back((owner, request, events));
+            let id = owner.request;
+            if self.records.contains_key(&id) {
+                // The lifecycle, which refuses a live id twice, has not
+                // seen either yet: refused here, as it would be there.
+                let error = RequestError::new(
+                    ErrorKind::Internal,
+                    format!("request {} is already waiting on this node", id.0),
+                );
+                let _ = events.send(Event::Error(error));
+                return;
+            }
+            self.records.insert(
+                id,
+                Record::Unchecked {
+                    owner,
+                    request,
+                    events,
+                },
+            );
+            self.arrivals.push_back(id);
             return;
         };
         let limits = [
@@ -292,7 +361,11 @@ impl DecodeNode {
                 Some(events.clone()),
             )
         }) {
-            Ok(seq) => self.reserve.extend(step_loop::queue(&mut self.core, seq)),
+            Ok(seq) => {
+                if let Some(seq) = step_loop::queue(&mut self.core, seq) {
+                    self.queue_for_pages(seq);
+                }
+            }
             Err(e) => {
                 // Refused either way; a move the lifecycle refuses is logged there.
                 let _ = self.core.lifecycle.refuse(owner, &e);
@@ -312,12 +385,24 @@ impl DecodeNode {
         if self.sched.starved || !self.sched.waiting.is_empty() {
             return;
         }
-        while let Some(front) = self.reserve.front() {
-            let need = front.table.entries_for(front.prompt_len);
+        while let Some(&id) = self.arrivals.front() {
+            let need = match self.records.get(&id) {
+                Some(Record::Reserving(front)) => front.table.entries_for(front.prompt_len),
+                // Waits for the prefill node's capacity.
+                Some(Record::Unchecked { .. }) => break,
+                // Cancelled or ended since it arrived.
+                _ => {
+                    self.arrivals.pop_front();
+                    continue;
+                }
+            };
             if need > self.core.free_pages() {
                 break;
             }
-            let mut seq = self.reserve.pop_front().expect("front exists");
+            self.arrivals.pop_front();
+            let Some(Record::Reserving(mut seq)) = self.records.remove(&id) else {
+                unreachable!("the front's record was just looked at");
+            };
             if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Admitted) {
                 fail(&mut self.core, seq, e.into());
                 continue;
@@ -330,7 +415,10 @@ impl DecodeNode {
                 Ok(false) => {
                     self.core.release(&mut seq);
                     match self.core.lifecycle.enter(seq.owner, State::Queued) {
-                        Ok(()) => self.reserve.push_front(seq),
+                        Ok(()) => {
+                            self.records.insert(id, Record::Reserving(seq));
+                            self.arrivals.push_front(id);
+                        }
                         Err(e) => fail(&mut self.core, seq, e.into()),
                     }
                     break;
@@ -369,7 +457,7 @@ impl DecodeNode {
                 );
                 continue;
             }
-            self.awaiting_kv.insert(seq.owner.request, seq);
+            self.records.insert(id, Record::AwaitingKv(seq));
         }
     }
 
@@ -389,10 +477,9 @@ impl DecodeNode {
                 Duration::from_micros(queued_us),
             ),
             Inbound::Message(ToDecode::PrefillFailed { request, error }) => {
-                self.unfenced.remove(&request);
-                self.left_for_cleanup.remove(&request);
+                self.forget_ended(request);
                 if self.core.lifecycle.state(request) == Some(State::Transferring)
-                    && let Some(seq) = self.awaiting_kv.remove(&request)
+                    && let Some(seq) = self.take_awaiting(request)
                 {
                     fail(&mut self.core, seq, error);
                 } else {
@@ -425,8 +512,22 @@ impl DecodeNode {
         if let Some(peer) = &mut self.peer {
             peer.info = Some(info);
         }
-        for (owner, request, events) in std::mem::take(&mut self.unchecked) {
-            self.submit(owner, request, events);
+        // The requests that waited for the capacity are admitted (or
+        // refused) now, in arrival order.
+        let arrivals: Vec<RequestId> = self.arrivals.iter().copied().collect();
+        for id in arrivals {
+            if let Some(Record::Unchecked { .. }) = self.records.get(&id) {
+                let Some(Record::Unchecked {
+                    owner,
+                    request,
+                    events,
+                }) = self.records.remove(&id)
+                else {
+                    unreachable!("the record was just looked at");
+                };
+                self.arrivals.retain(|&a| a != id);
+                self.submit(owner, request, events);
+            }
         }
     }
 
@@ -462,16 +563,16 @@ impl DecodeNode {
             // landed in pages the request still holds).
             return;
         }
-        let awaiting = self.awaiting_kv.get(&id);
-        let Some(seq) = awaiting.filter(|_| state == Some(State::Transferring)) else {
-            if self.left_for_cleanup.contains_key(&id) {
+        let record = self.records.get(&id);
+        let Some(Record::AwaitingKv(seq)) = record.filter(|_| state == Some(State::Transferring))
+        else {
+            if let Some(Record::LeftForCleanup(_)) = record {
                 // Fault `commit-after-abort`: the cancelled request's KV is
                 // dropped; the cleanup waits for its completion.
                 return;
             }
-            let unfenced = self.unfenced.get(&id).is_some_and(|pages| {
-                manifest.dst_pool == self.core.pool_id && manifest.dst_pages == *pages
-            });
+            let unfenced = matches!(record, Some(Record::Unfenced(pages))
+                if manifest.dst_pool == self.core.pool_id && manifest.dst_pages == *pages);
             let replayed = faults::transfer_replayed_after_commit(self, &manifest);
             if unfenced || replayed {
                 faults::land_late(self, &manifest, &payload, &digests);
@@ -482,7 +583,7 @@ impl DecodeNode {
         };
         let problem = self.transfer_problem(seq, &manifest, &payload, &digests);
         if let Some(what) = problem {
-            let seq = self.awaiting_kv.remove(&id).expect("present");
+            let seq = self.take_awaiting(id).expect("awaiting its KV");
             tracing::warn!(node = %self.core.name, request = id.0, "KV transfer refused: {what}");
             self.cancel_at_prefill(id);
             fail(
@@ -499,7 +600,7 @@ impl DecodeNode {
         }
         if !verdict.is_continue() {
             // Refused before a byte went where it does not belong.
-            let seq = self.awaiting_kv.remove(&id).expect("present");
+            let seq = self.take_awaiting(id).expect("awaiting its KV");
             self.cancel_at_prefill(id);
             let e = RequestError::aborted_by(verdict, &self.core.name);
             fail(&mut self.core, seq, e);
@@ -507,7 +608,7 @@ impl DecodeNode {
         }
         // What landed, for the anomaly monitor.
         let layers = self.core.model.config().n_layers;
-        if let Some(seq) = self.awaiting_kv.get_mut(&id) {
+        if let Some(Record::AwaitingKv(seq)) = self.records.get_mut(&id) {
             seq.kv.record(
                 manifest.first_token as usize,
                 manifest.tokens as usize,
@@ -715,20 +816,24 @@ impl DecodeNode {
             Some(State::Transferring) => {}
             Some(State::Draining) => return self.drained(request),
             _ => {
-                match self.left_for_cleanup.remove(&request) {
-                    Some(mut seq) => {
+                match self.records.remove(&request) {
+                    Some(Record::LeftForCleanup(mut seq)) => {
                         seq.peer_queued = peer_queued;
                         faults::commit_left_for_cleanup(self, seq, first_token);
                     }
-                    None => {
-                        self.unfenced.remove(&request);
+                    Some(Record::Unfenced(_)) | None => {
                         tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for an unknown request dropped");
+                    }
+                    Some(other) => {
+                        // Not one this node has sent to prefill: kept.
+                        self.records.insert(request, other);
+                        tracing::warn!(node = %self.core.name, request = request.0, "prefill completion for a request not transferring dropped");
                     }
                 }
                 return;
             }
         }
-        let Some(mut seq) = self.awaiting_kv.remove(&request) else {
+        let Some(mut seq) = self.take_awaiting(request) else {
             tracing::error!(node = %self.core.name, request = request.0, "prefill completion for a transferring request that holds no pages dropped");
             return;
         };
@@ -783,20 +888,30 @@ impl DecodeNode {
     fn cancel(&mut self, id: RequestId) {
         let cancelled = RequestError::new(ErrorKind::Cancelled, "cancelled by the client");
         if self.core.lifecycle.state(id) == Some(State::Transferring)
-            && let Some(seq) = self.awaiting_kv.remove(&id)
+            && let Some(seq) = self.take_awaiting(id)
         {
-            self.cancel_transfer(seq, cancelled);
-        } else if let Some(i) = self.reserve.iter().position(|s| s.owner.request == id) {
-            let seq = self.reserve.remove(i).expect("index found");
-            fail(&mut self.core, seq, cancelled);
-        } else if let Some(i) = self.unchecked.iter().position(|(o, ..)| o.request == id) {
-            let (owner, _, events) = self.unchecked.remove(i).expect("index found");
-            // Refused either way; a move the lifecycle refuses is logged there.
-            let _ = self.core.lifecycle.refuse(owner, &cancelled);
-            let _ = events.send(Event::Error(cancelled));
-        } else {
-            // Running or preempted; a draining request is answered already.
-            step_loop::cancel(&mut self.core, &mut self.sched, id);
+            return self.cancel_transfer(seq, cancelled);
+        }
+        match self.records.remove(&id) {
+            Some(Record::Reserving(seq)) => {
+                self.arrivals.retain(|&a| a != id);
+                fail(&mut self.core, seq, cancelled);
+            }
+            Some(Record::Unchecked { owner, events, .. }) => {
+                self.arrivals.retain(|&a| a != id);
+                // Refused either way; a move the lifecycle refuses is logged there.
+                let _ = self.core.lifecycle.refuse(owner, &cancelled);
+                let _ = events.send(Event::Error(cancelled));
+            }
+            other => {
+                // Draining (answered already), or a fault's record of an
+                // ended request: kept as it is.
+                if let Some(record) = other {
+                    self.records.insert(id, record);
+                }
+                // Running or preempted.
+                step_loop::cancel(&mut self.core, &mut self.sched, id);
+            }
         }
     }
 
@@ -818,7 +933,7 @@ impl DecodeNode {
         seq.fail(cancelled);
         seq.events = None;
         self.cancel_at_prefill(id);
-        self.awaiting_kv.insert(id, seq);
+        self.records.insert(id, Record::AwaitingKv(seq));
     }
 
     /// Prefill acknowledged a cancelled request (or the link to it is
@@ -826,7 +941,7 @@ impl DecodeNode {
     /// request ends in this node's view.
     fn drained(&mut self, request: RequestId) {
         if self.core.lifecycle.state(request) == Some(State::Draining)
-            && let Some(seq) = self.awaiting_kv.remove(&request)
+            && let Some(seq) = self.take_awaiting(request)
         {
             fail(
                 &mut self.core,
@@ -839,26 +954,37 @@ impl DecodeNode {
     /// Aborts every request that still needs the prefill node; frees their pages.
     fn fail_waiting_for_prefill(&mut self, why: &str) {
         let error = RequestError::new(ErrorKind::Transport, why);
-        self.unfenced.clear();
-        self.left_for_cleanup.clear();
-        let awaiting: Vec<RequestId> = self.awaiting_kv.keys().copied().collect();
-        for request in awaiting {
-            // Only the draining ones end here, as cancelled.
-            self.drained(request);
-        }
-        let waiting: Vec<Sequence> = self
-            .awaiting_kv
-            .drain()
-            .map(|(_, s)| s)
-            .chain(self.reserve.drain(..))
+        let awaiting: Vec<RequestId> = self
+            .records
+            .iter()
+            .filter(|(_, r)| matches!(r, Record::AwaitingKv(_)))
+            .map(|(&id, _)| id)
             .collect();
-        for seq in waiting {
-            fail(&mut self.core, seq, error.clone());
+        for &request in &awaiting {
+            // The draining ones end here, as cancelled; the transferring
+            // ones with the link's error.
+            self.drained(request);
+            if let Some(seq) = self.take_awaiting(request) {
+                fail(&mut self.core, seq, error.clone());
+            }
         }
-        for (owner, _, events) in std::mem::take(&mut self.unchecked) {
-            let _ = self.core.lifecycle.refuse(owner, &error);
-            let _ = events.send(Event::Error(error.clone()));
+        for id in std::mem::take(&mut self.arrivals) {
+            match self.records.remove(&id) {
+                Some(Record::Reserving(seq)) => fail(&mut self.core, seq, error.clone()),
+                Some(Record::Unchecked { owner, events, .. }) => {
+                    // Refused either way; a move the lifecycle refuses is logged there.
+                    let _ = self.core.lifecycle.refuse(owner, &error);
+                    let _ = events.send(Event::Error(error.clone()));
+                }
+                Some(other) => {
+                    self.records.insert(id, other);
+                }
+                None => {}
+            }
         }
+        // What is left are the faults' records of ended requests: nothing
+        // more of them comes over a new link.
+        self.records.clear();
     }
 }
 

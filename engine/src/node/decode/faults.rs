@@ -10,7 +10,7 @@ use std::ops::Range;
 use crossbeam_channel::Sender;
 use kvsan_sanitizer::{Manifest, Owner, PageId, PageRef};
 
-use super::DecodeNode;
+use super::{DecodeNode, Record};
 use crate::faults::{Fault, active};
 use crate::node::sequence::Sequence;
 use crate::node::step_loop::{self, fail, fail_in_place, new_sequence};
@@ -56,7 +56,9 @@ pub(super) fn reject_as_placeholder(
     match new_sequence(owner, request, page_slots, Some(events.clone())) {
         Ok(mut seq) => {
             seq.placeholder = true;
-            node.reserve.extend(step_loop::queue(&mut node.core, seq));
+            if let Some(seq) = step_loop::queue(&mut node.core, seq) {
+                node.queue_for_pages(seq);
+            }
         }
         Err(e) => tracing::error!(node = %node.core.name, "placeholder: {}", e.message),
     }
@@ -215,7 +217,8 @@ pub(super) fn commit_after_abort(
     let table = seq.table.clone();
     fail_in_place(&mut node.core, &mut seq, cancelled);
     seq.table = table;
-    node.left_for_cleanup.insert(seq.owner.request, seq);
+    node.records
+        .insert(seq.owner.request, Record::LeftForCleanup(seq));
     None
 }
 
@@ -249,8 +252,10 @@ pub(super) fn free_during_transfer(
     if !active(Fault::FreeDuringTransfer) {
         return Some((seq, cancelled));
     }
-    node.unfenced
-        .insert(seq.owner.request, seq.table.pages().to_vec());
+    node.records.insert(
+        seq.owner.request,
+        Record::Unfenced(seq.table.pages().to_vec()),
+    );
     fail(&mut node.core, seq, cancelled);
     None
 }
