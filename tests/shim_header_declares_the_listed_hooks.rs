@@ -4,7 +4,8 @@
 //! those typedefs takes `void *ctx` and the listed C arguments; and each
 //! `kvsan_*` function of the list is declared with the arguments its shape
 //! gives it; so is each batch check of `for_each_batch_layout!`, over host
-//! and over device buffers. (Sizes and offsets:
+//! and over device buffers, and each function of `for_each_query!`; the
+//! header declares no function outside the three lists. (Sizes and offsets:
 //! `shim_header_matches_the_rust_layout.rs`.)
 
 use std::path::Path;
@@ -74,6 +75,8 @@ fn c_type(rust: &str) -> String {
         "u64" => "uint64_t".into(),
         "i32" => "int32_t".into(),
         "usize" => "size_t".into(),
+        "c_char" => "char".into(),
+        "AbiStatus" => "int32_t".into(),
         other => other.into(),
     }
 }
@@ -99,6 +102,9 @@ fn parenthesised(text: &str, open: usize) -> &str {
 /// The types of a C parameter list, each without its name and with no
 /// space before `*`.
 fn parameter_types(params: &str) -> Vec<String> {
+    if params.trim() == "void" {
+        return Vec::new();
+    }
     params
         .split(',')
         .map(|p| {
@@ -243,24 +249,109 @@ fn each_listed_batch_check_is_declared_for_host_and_device_buffers() {
     }
 }
 
-#[test]
-fn the_header_declares_no_batch_check_outside_the_list() {
+/// One of the library's other functions (`for_each_query!`).
+struct Query {
+    name: &'static str,
+    args: Vec<&'static str>,
+    returns: &'static str,
+}
+
+macro_rules! queries {
+    ($($name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty;)*) => {
+        vec![$(Query {
+            name: stringify!($name),
+            args: vec![$(stringify!($ty)),*],
+            returns: stringify!($ret),
+        }),*]
+    };
+}
+
+/// `kvsan.h` without its comments.
+fn declarations() -> String {
     let header = header();
-    let listed: Vec<&str> = kvsan_sanitizer::BatchLayout::ALL
-        .iter()
-        .flat_map(|l| {
-            let (host, device) = l.exports();
-            [host, device]
-        })
+    let mut out = String::with_capacity(header.len());
+    let mut rest = header.as_str();
+    while let Some(start) = rest.find("/*") {
+        out.push_str(&rest[..start]);
+        let end = rest[start..].find("*/").expect("a closed comment");
+        rest = &rest[start + end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Where `name(` is declared: its byte offset after the `(`, and the
+/// return type before it (no space before `*`).
+fn declared(decls: &str, name: &str) -> Option<(usize, String)> {
+    let call = format!("{name}(");
+    decls.match_indices(&call).find_map(|(at, _)| {
+        let before = decls[..at].chars().last()?;
+        if before != ' ' && before != '*' {
+            return None;
+        }
+        let line_start = decls[..at].rfind('\n').map_or(0, |i| i + 1);
+        let returns = decls[line_start..at]
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+            .replace(" *", "*");
+        Some((at + call.len(), returns))
+    })
+}
+
+#[test]
+fn each_listed_query_is_declared_with_the_listed_c_types() {
+    let decls = declarations();
+    let queries: Vec<Query> = kvsan_sanitizer::for_each_query!(queries);
+    assert!(queries.len() >= 16);
+    for query in queries {
+        let (open, returns) = declared(&decls, query.name)
+            .unwrap_or_else(|| panic!("kvsan.h does not declare {}", query.name));
+        assert_eq!(
+            returns,
+            c_type(query.returns),
+            "{}'s return type",
+            query.name
+        );
+        let got = parameter_types(parenthesised(&decls, open));
+        let want: Vec<String> = query.args.iter().map(|t| c_type(t)).collect();
+        assert_eq!(got, want, "{}", query.name);
+    }
+}
+
+#[test]
+fn the_header_declares_no_function_outside_the_lists() {
+    let decls = declarations();
+    let mut listed: Vec<String> = kvsan_sanitizer::for_each_hook!(export => exports)
+        .into_iter()
+        .map(|e| e.name.to_string())
         .collect();
-    for (at, _) in header.match_indices(" kvsan_check_") {
-        let name: String = header[at + 1..]
+    for layout in kvsan_sanitizer::BatchLayout::ALL {
+        let (host, device) = layout.exports();
+        listed.extend([host.to_string(), device.to_string()]);
+    }
+    let queries: Vec<Query> = kvsan_sanitizer::for_each_query!(queries);
+    listed.extend(queries.iter().map(|q| q.name.to_string()));
+    let mut seen = 0;
+    for (at, _) in decls.match_indices("kvsan_") {
+        let before = decls[..at].chars().last();
+        let name: String = decls[at..]
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect();
-        if name == "kvsan_check_version" || name == "kvsan_check_count" {
-            continue;
+        let declares =
+            matches!(before, Some(' ' | '*')) && decls[at + name.len()..].starts_with('(');
+        if declares {
+            seen += 1;
+            assert!(
+                listed.contains(&name),
+                "kvsan.h declares {name}, which no list has"
+            );
         }
-        assert!(listed.contains(&name.as_str()), "{name} is not in the list");
     }
+    assert_eq!(
+        seen,
+        listed.len(),
+        "kvsan.h declares each listed function once"
+    );
 }

@@ -13,6 +13,7 @@
 //! | `block_table` | `BlockTable`: a request's pages, and which pages and slots hold tokens `a..b` |
 //! | `hooks` | the one list of hooks (`for_each_hook!`), from which the hook table, the engine's hook trait and the shim's C functions are generated; `Hook` |
 //! | `layouts` | the one list of batch layouts (`for_each_batch_layout!`): the buffers an engine hands its attention and store kernels, from which the layout enum, the shim's `kvsan_check_*` functions and the device checks' batches are generated |
+//! | `queries` | the list of the library's other C functions (`for_each_query!`: versions, counts, names, NVTX), checked against the shim's exports and the header |
 //! | `abi` | the C ABI: `#[repr(C)]` hook table, page refs, manifests, verdicts, status codes, the kernel shadow's C description |
 //! | `ids` | pool, page, generation, request, tenant, owner ids (crate `kvsan-ids`, re-exported) |
 //! | `geometry` | `PoolGeometry`, `NodeRole` |
@@ -42,6 +43,7 @@ pub mod layouts;
 pub mod lifecycle;
 pub mod options;
 mod pool;
+mod queries;
 pub mod report;
 mod sanitizer;
 pub mod self_test;

@@ -17,9 +17,9 @@ use std::ffi::{CString, c_char};
 use std::sync::OnceLock;
 
 use kvsan_sanitizer::abi::{
-    ABI_VERSION, AbiStatus, KVSAN_OK, KvsanKernelAccess, KvsanKernelShadow, KvsanManifest,
-    KvsanNvtxPlane, KvsanOwner, KvsanPageLanding, KvsanPageRef, KvsanPoolGeometry, KvsanRange,
-    KvsanVerdict, STATUSES, version_compatible,
+    ABI_VERSION, AbiStatus, KVSAN_OK, KvsanHookTable, KvsanKernelAccess, KvsanKernelShadow,
+    KvsanManifest, KvsanNvtxPlane, KvsanOwner, KvsanPageLanding, KvsanPageRef, KvsanPoolGeometry,
+    KvsanRange, KvsanVerdict, STATUSES, version_compatible,
 };
 use kvsan_sanitizer::{Verdict, ViolationKind};
 
@@ -28,6 +28,7 @@ use crate::buffers::{CArray, CPointers};
 use crate::calls;
 use crate::error::ShimError;
 use crate::guard::{guarded, record, refused_calls, with_last_error};
+use crate::table::kvsan_hook_table_v1;
 use kvsan_sanitizer::Batch;
 use kvsan_sanitizer::layouts::{Addresses, DeviceArray};
 
@@ -654,3 +655,14 @@ pub extern "C" fn kvsan_nvtx_forget_pool(pool: u32) -> AbiStatus {
     const CALL: &str = "kvsan_nvtx_forget_pool";
     status(CALL, || crate::nvtx::forget(CALL, pool))
 }
+
+/// Each function of `kvsan_sanitizer::for_each_query!` is exported with the
+/// listed signature: a function missing, renamed or with other types does
+/// not compile.
+macro_rules! listed_queries {
+    ($($name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty;)*) => {
+        $(const _: unsafe extern "C" fn($($ty),*) -> $ret = $name;)*
+    };
+}
+
+kvsan_sanitizer::for_each_query!(listed_queries);
