@@ -386,23 +386,27 @@ impl DecodeNode {
             return;
         }
         while let Some(&id) = self.arrivals.front() {
-            let need = match self.records.get(&id) {
-                Some(Record::Reserving(front)) => front.table.entries_for(front.prompt_len),
-                // Waits for the prefill node's capacity.
-                Some(Record::Unchecked { .. }) => break,
+            let mut seq = match self.records.remove(&id) {
+                Some(Record::Reserving(front))
+                    if front.table.entries_for(front.prompt_len) <= self.core.free_pages() =>
+                {
+                    front
+                }
+                // Waits for pages, or for the prefill node's capacity.
+                Some(waiting @ (Record::Reserving(_) | Record::Unchecked { .. })) => {
+                    self.records.insert(id, waiting);
+                    break;
+                }
                 // Cancelled or ended since it arrived.
-                _ => {
+                other => {
+                    if let Some(record) = other {
+                        self.records.insert(id, record);
+                    }
                     self.arrivals.pop_front();
                     continue;
                 }
             };
-            if need > self.core.free_pages() {
-                break;
-            }
             self.arrivals.pop_front();
-            let Some(Record::Reserving(mut seq)) = self.records.remove(&id) else {
-                unreachable!("the front's record was just looked at");
-            };
             if let Err(e) = self.core.lifecycle.enter(seq.owner, State::Admitted) {
                 fail(&mut self.core, seq, e.into());
                 continue;
@@ -516,17 +520,19 @@ impl DecodeNode {
         // refused) now, in arrival order.
         let arrivals: Vec<RequestId> = self.arrivals.iter().copied().collect();
         for id in arrivals {
-            if let Some(Record::Unchecked { .. }) = self.records.get(&id) {
-                let Some(Record::Unchecked {
+            match self.records.remove(&id) {
+                Some(Record::Unchecked {
                     owner,
                     request,
                     events,
-                }) = self.records.remove(&id)
-                else {
-                    unreachable!("the record was just looked at");
-                };
-                self.arrivals.retain(|&a| a != id);
-                self.submit(owner, request, events);
+                }) => {
+                    self.arrivals.retain(|&a| a != id);
+                    self.submit(owner, request, events);
+                }
+                Some(other) => {
+                    self.records.insert(id, other);
+                }
+                None => {}
             }
         }
     }
