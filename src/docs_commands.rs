@@ -4,51 +4,23 @@
 //! a value of their kind. (The commands that run in CI are run by their own
 //! tests; this keeps the rest from drifting from the flags.)
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use clap::Parser;
 
 use crate::Cli;
 
-/// The pages: the README and every page under `docs/`.
-fn pages() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut pages = vec![root.join("README.md")];
-    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
-        .expect("docs/")
-        .map(|e| e.expect("a docs entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "md"))
-        .collect();
-    docs.sort();
-    pages.extend(docs);
-    pages
-}
+#[path = "../tests/docs_common/mod.rs"]
+mod docs_common;
 
-/// The `kvsan` command lines of a page's shell blocks, continuation lines
-/// joined and comments dropped, each with the line it starts on.
+/// The `kvsan` command lines of a page's shell blocks, comments dropped,
+/// each with the line it starts on.
 fn commands(text: &str) -> Vec<(usize, String)> {
     let mut found = Vec::new();
-    let mut in_shell = false;
-    let mut pending: Option<(usize, String)> = None;
-    for (i, line) in text.lines().enumerate() {
-        let fence = line.trim_start();
-        if let Some(lang) = fence.strip_prefix("```") {
-            in_shell = !in_shell && matches!(lang.trim(), "sh" | "bash" | "console" | "shell");
-            continue;
-        }
-        if !in_shell {
-            continue;
-        }
-        let code = line.split(" #").next().unwrap_or("").trim();
-        let (start, mut joined) = pending.take().unwrap_or((i + 1, String::new()));
-        joined.push(' ');
-        joined.push_str(code.trim_end_matches('\\'));
-        if code.ends_with('\\') {
-            pending = Some((start, joined));
-            continue;
-        }
+    for (start, line) in docs_common::shell_lines(text) {
+        let code = line.split(" #").next().unwrap_or("");
         // `$ ` prompts, `VAR=value` prefixes, `&&` chains: the kvsan part.
-        for part in joined.split("&&") {
+        for part in code.split("&&") {
             let words: Vec<&str> = part
                 .split_whitespace()
                 .skip_while(|w| *w == "$" || w.contains('='))
@@ -101,7 +73,7 @@ fn arguments(command: &str) -> Vec<String> {
 #[test]
 fn every_documented_kvsan_command_parses() {
     let mut checked = 0;
-    for page in pages() {
+    for page in docs_common::pages(Path::new(env!("CARGO_MANIFEST_DIR"))) {
         let text = std::fs::read_to_string(&page).expect("a page");
         for (line, command) in commands(&text) {
             let args = arguments(&command);

@@ -9,50 +9,23 @@
 
 #![cfg(feature = "faults")]
 
+mod docs_common;
 mod shim_common;
 
-use std::path::PathBuf;
 use std::process::Command;
 
 /// What a documented line starts with, for it to be run here.
 const RUNNABLE: &[&str] = &["cc ", "python3 examples/", "target/debug/kvsan replay "];
 
-/// The runnable shell lines of every page (continuations joined), each
-/// with its page and line.
+/// The runnable shell lines of every page, each with its page and line.
 fn runnable_lines() -> Vec<(String, usize, String)> {
-    let root = shim_common::repo();
-    let mut pages = vec![root.join("README.md")];
-    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
-        .expect("docs/")
-        .map(|e| e.expect("a docs entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "md"))
-        .collect();
-    docs.sort();
-    pages.extend(docs);
     let mut found = Vec::new();
-    for page in pages {
+    for page in docs_common::pages(&shim_common::repo()) {
         let text = std::fs::read_to_string(&page).expect("a page");
         let name = page.file_name().unwrap().to_string_lossy().into_owned();
-        let mut in_shell = false;
-        let mut pending: Option<(usize, String)> = None;
-        for (i, line) in text.lines().enumerate() {
-            if let Some(lang) = line.trim_start().strip_prefix("```") {
-                in_shell = !in_shell && matches!(lang.trim(), "sh" | "bash" | "shell");
-                continue;
-            }
-            if !in_shell {
-                continue;
-            }
-            let (start, mut joined) = pending.take().unwrap_or((i + 1, String::new()));
-            joined.push_str(line.trim_end().trim_end_matches('\\'));
-            joined.push(' ');
-            if line.trim_end().ends_with('\\') {
-                pending = Some((start, joined));
-                continue;
-            }
-            let command = joined.trim().to_string();
+        for (line, command) in docs_common::shell_lines(&text) {
             if RUNNABLE.iter().any(|p| command.starts_with(p)) {
-                found.push((name.clone(), start, command));
+                found.push((name.clone(), line, command));
             }
         }
     }
