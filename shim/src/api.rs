@@ -472,50 +472,85 @@ macro_rules! batch_exports {
         );
     )*) => {
         $(
-            batch_export! { @host $host $variant rows [$(#[$doc])*] [] [] $($field: $spec,)* }
-            batch_export! { @device $device $host $variant rows [] [] $($field: $spec,)* }
+            batch_export! {
+                [host $host $variant CPointers check_batch [] []
+                    [
+                        $(#[$doc])*
+                        ///
+                        /// # Safety
+                        /// - `owners` and `verdicts_out` hold `rows` entries, and each
+                        ///   buffer the values `kvsan.h` gives it (each may be null
+                        ///   when its length is 0).
+                    ]]
+                rows [] [] $($field: $spec,)*
+            }
+            batch_export! {
+                [device $device $variant Addresses check_device [device: i32,] [device,]
+                    [
+                        #[doc = concat!(
+                            "[`", stringify!($host), "`] over device buffers on CUDA device ",
+                            "`device`: each buffer is a device address, with its length in ",
+                            "values as for the host check; see `kvsan.h`."
+                        )]
+                        ///
+                        /// # Safety
+                        /// - `owners` and `verdicts_out` hold `rows` entries (host
+                        ///   memory);
+                        /// - each buffer is a live device allocation on device
+                        ///   `device` of the values `kvsan.h` gives it.
+                    ]]
+                rows [] [] $($field: $spec,)*
+            }
         )*
     };
 }
 
-/// One C function of [`batch_exports!`], its parameters and its `Batch`
-/// gathered one layout argument at a time (`$rows` threads the one `rows`
-/// identifier through, so the lengths below can name it).
+/// One C function of [`batch_exports!`]: its parameters and its `Batch`
+/// gathered one layout argument at a time, then the function. `$how` is
+/// `[host|device name Variant Buffers check [lead params] [lead args]
+/// [docs]]`; `$rows` threads the one `rows` identifier through, so the
+/// lengths can name it.
 macro_rules! batch_export {
-    // A host buffer of one value per row, of offsets, of its own length;
-    // a scalar.
-    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
-        $field:ident: [$v:ident; rows], $($rest:tt)*) => {
-        batch_export! { @host $name $variant $rows $docs
-            [$($p)* $field: *const $v,] [$($f)* $field: CArray { ptr: $field, len: $rows },] $($rest)* }
+    // A buffer of one value per row, of offsets, of its own length; a
+    // scalar.
+    ($how:tt $rows:ident [$($p:tt)*] [$($f:tt)*] $field:ident: [$v:ident; rows], $($rest:tt)*) => {
+        batch_export! { $how $rows
+            [$($p)* $field: batch_export!(@type $how $v),]
+            [$($f)* $field: batch_export!(@array $how $field, $rows),] $($rest)* }
     };
-    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
-        $field:ident: [$v:ident; offsets], $($rest:tt)*) => {
-        batch_export! { @host $name $variant $rows $docs
-            [$($p)* $field: *const $v,]
-            [$($f)* $field: CArray { ptr: $field, len: $rows.saturating_add(1) },] $($rest)* }
-    };
-    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
-        $field:ident: [$v:ident; $len:ident], $($rest:tt)*) => {
-        batch_export! { @host $name $variant $rows $docs
-            [$($p)* $field: *const $v, $len: usize,] [$($f)* $field: CArray { ptr: $field, len: $len },]
+    ($how:tt $rows:ident [$($p:tt)*] [$($f:tt)*] $field:ident: [$v:ident; offsets], $($rest:tt)*) => {
+        batch_export! { $how $rows
+            [$($p)* $field: batch_export!(@type $how $v),]
+            [$($f)* $field: batch_export!(@array $how $field, $rows.saturating_add(1)),]
             $($rest)* }
     };
-    (@host $name:ident $variant:ident $rows:ident $docs:tt [$($p:tt)*] [$($f:tt)*]
-        $field:ident: usize, $($rest:tt)*) => {
-        batch_export! { @host $name $variant $rows $docs [$($p)* $field: usize,] [$($f)* $field,] $($rest)* }
+    ($how:tt $rows:ident [$($p:tt)*] [$($f:tt)*] $field:ident: [$v:ident; $len:ident], $($rest:tt)*) => {
+        batch_export! { $how $rows
+            [$($p)* $field: batch_export!(@type $how $v), $len: usize,]
+            [$($f)* $field: batch_export!(@array $how $field, $len),] $($rest)* }
     };
-    (@host $name:ident $variant:ident $rows:ident [$($doc:tt)*] [$($p:tt)*] [$($f:tt)*]) => {
+    ($how:tt $rows:ident [$($p:tt)*] [$($f:tt)*] $field:ident: usize, $($rest:tt)*) => {
+        batch_export! { $how $rows [$($p)* $field: usize,] [$($f)* $field,] $($rest)* }
+    };
+    // A buffer's C type, and the buffer as its `Batch` holds it.
+    (@type [host $($how:tt)*] $v:ident) => { *const $v };
+    (@type [device $($how:tt)*] $v:ident) => { u64 };
+    (@array [host $($how:tt)*] $field:ident, $len:expr) => { CArray { ptr: $field, len: $len } };
+    (@array [device $($how:tt)*] $field:ident, $len:expr) => {
+        DeviceArray { address: $field, len: $len }
+    };
+    // The function.
+    (
+        [$where:ident $name:ident $variant:ident $kind:ident $check:ident
+            [$($lead:tt)*] [$($lead_arg:tt)*] [$($doc:tt)*]]
+        $rows:ident [$($p:tt)*] [$($f:tt)*]
+    ) => {
         $($doc)*
-        ///
-        /// # Safety
-        /// - `owners` and `verdicts_out` hold `rows` entries, and each buffer
-        ///   the values `kvsan.h` gives it (each may be null when its length
-        ///   is 0).
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "C" fn $name(
             pool: u32,
+            $($lead)*
             owners: *const KvsanOwner,
             $rows: usize,
             $($p)*
@@ -525,67 +560,11 @@ macro_rules! batch_export {
         ) -> AbiStatus {
             const CALL: &str = stringify!($name);
             let arrays = calls::BatchArrays { owners, rows: $rows };
-            let buffers = Batch::<CPointers>::$variant { $($f)* };
-            // SAFETY: the caller's contract on every pointer.
-            unsafe {
-                batch(CALL, $rows, verdicts_out, || {
-                    calls::check_batch(CALL, pool, arrays, &buffers, layers, step)
-                })
-            }
-        }
-    };
-    // The same over device addresses.
-    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
-        $field:ident: [$v:ident; rows], $($rest:tt)*) => {
-        batch_export! { @device $name $host $variant $rows
-            [$($p)* $field: u64,] [$($f)* $field: DeviceArray { address: $field, len: $rows },]
-            $($rest)* }
-    };
-    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
-        $field:ident: [$v:ident; offsets], $($rest:tt)*) => {
-        batch_export! { @device $name $host $variant $rows
-            [$($p)* $field: u64,]
-            [$($f)* $field: DeviceArray { address: $field, len: $rows.saturating_add(1) },]
-            $($rest)* }
-    };
-    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
-        $field:ident: [$v:ident; $len:ident], $($rest:tt)*) => {
-        batch_export! { @device $name $host $variant $rows
-            [$($p)* $field: u64, $len: usize,] [$($f)* $field: DeviceArray { address: $field, len: $len },]
-            $($rest)* }
-    };
-    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]
-        $field:ident: usize, $($rest:tt)*) => {
-        batch_export! { @device $name $host $variant $rows [$($p)* $field: usize,] [$($f)* $field,] $($rest)* }
-    };
-    (@device $name:ident $host:ident $variant:ident $rows:ident [$($p:tt)*] [$($f:tt)*]) => {
-        #[doc = concat!("[`", stringify!($host), "`] over device buffers on CUDA device `device`: ")]
-        /// each buffer is a device address, with its length in values as
-        /// for the host check; see `kvsan.h`.
-        ///
-        /// # Safety
-        /// - `owners` and `verdicts_out` hold `rows` entries (host memory);
-        /// - each buffer is a live device allocation on device `device` of
-        ///   the values `kvsan.h` gives it.
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "C" fn $name(
-            pool: u32,
-            device: i32,
-            owners: *const KvsanOwner,
-            $rows: usize,
-            $($p)*
-            layers: KvsanRange,
-            step: u64,
-            verdicts_out: *mut KvsanVerdict,
-        ) -> AbiStatus {
-            const CALL: &str = stringify!($name);
-            let arrays = calls::BatchArrays { owners, rows: $rows };
-            let buffers = Batch::<Addresses>::$variant { $($f)* };
+            let buffers = Batch::<$kind>::$variant { $($f)* };
             // SAFETY: the caller's contract on every pointer and address.
             unsafe {
                 batch(CALL, $rows, verdicts_out, || {
-                    calls::check_device(CALL, pool, device, arrays, &buffers, layers, step)
+                    calls::$check(CALL, pool, $($lead_arg)* arrays, &buffers, layers, step)
                 })
             }
         }
