@@ -205,3 +205,40 @@ def test_requests_of_different_cache_salts_share_nothing(adapter: Any, found: li
     assert b.num_computed_tokens == len(PROMPT)
     assert set(m.get_block_ids("a")[0]).isdisjoint(m.get_block_ids("b")[0])
     assert take(adapter, found) == []
+
+
+def test_a_request_recomputing_its_own_cached_tokens_is_counted_and_reported_only_when_strict(
+    adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What vLLM does on P/D's decode side (PR #34616): a prompt that
+    arrived whole is registered, then its last token is computed again, into
+    a block the prefix cache holds. The block's hash chains every token up
+    to it: the same tokens' KV at the same positions."""
+    m = manager()
+    a = request("a", PROMPT[:32] + [6])
+    schedule(m, a)  # two full blocks registered
+    before = adapter.cached_rewrites
+    a.num_computed_tokens = 31  # the last token of the second block again
+    m.allocate_slots(a, 2)
+    assert take(adapter, found) == []
+    assert adapter.cached_rewrites == before + 1
+    monkeypatch.setattr(adapter, "strict_cached_rewrites", True)
+    m.allocate_slots(a, 2)
+    assert take(adapter, found) == ["foreign-write"]
+    finish(m, a)
+
+
+def test_a_write_of_other_tokens_into_a_cached_block_is_reported(adapter: Any, found: list[Any]) -> None:
+    """The neighbour that is not a recompute: a request whose own tokens
+    differ writes into a block registered under another prompt's hash."""
+    m = manager()
+    a = request("a", PROMPT[:32] + [6])
+    schedule(m, a)
+    cached = m.coordinator.single_type_managers[0].req_to_blocks["a"][1]
+    b = request("b", [3] * 40)
+    schedule(m, b, 16)
+    # A stale block table: B's second block is A's registered one.
+    m.block_pool.touch([cached])
+    m.coordinator.single_type_managers[0].req_to_blocks["b"].append(cached)
+    m.allocate_slots(b, 8)
+    assert "foreign-write" in take(adapter, found)

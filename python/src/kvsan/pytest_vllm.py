@@ -9,6 +9,7 @@ The run ends with the adapter's counts and kvsan's summary line.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator
 
 import pytest
@@ -22,7 +23,8 @@ _failed: list[str] = []
 def pytest_configure(config: pytest.Config) -> None:
     global _adapter
     if _adapter is None:
-        _adapter = _vllm.attach()
+        strict = os.environ.get("KVSAN_VLLM_STRICT_CACHED_REWRITES", "") not in ("", "0")
+        _adapter = _vllm.attach(strict_cached_rewrites=strict)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -55,6 +57,13 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         f"{len(_failed)} test(s) with violations, "
         f"{_adapter.unchecked_blocks} partial-entry block(s) left unchecked"
     )
+    if _adapter.strict_cached_rewrites:
+        tr.write_line("  strict: a request recomputing a cached block's own tokens is reported (foreign-write)")
+    else:
+        tr.write_line(
+            f"  {_adapter.cached_rewrites} write(s) of a cached block's own tokens by a request "
+            "recomputing them (not violations; KVSAN_VLLM_STRICT_CACHED_REWRITES=1 reports them)"
+        )
     for reason, n in sorted(_adapter.unchecked_pools.items()):
         tr.write_line(f"  {n} pool(s) left unchecked: {reason}")
     for nodeid in _failed:

@@ -15,10 +15,21 @@ a block hash inserted (``cache_full_blocks``)  ``share`` with the prefix cache:
                                             the block must be fully written
 a block hash removed (eviction, reset)      the prefix cache lets go
 ``KVCacheManager.allocate_slots``           ``write`` of the tokens the step
-                                            computes, then ``read`` of the
-                                            block table the step attends over
+                                            computes (and a synchronous
+                                            connector load's), then ``read``
+                                            of the block table the step
+                                            attends over
+``Scheduler.update_from_output``: the      ``write`` of an asynchronous load's
+worker's ``finished_recving``               tokens, minus the blocks named in
+                                            ``invalid_block_ids``
 ``KVCacheManager.free`` of a finished one   ``finished`` (``page-leak``)
 ==========================================  ==================================
+
+A request recomputing tokens into a block the prefix cache holds, under
+that block's own hash (the same tokens' KV at the same positions, as vLLM
+does for the last block of a prompt that arrived whole), is counted in
+:attr:`Adapter.cached_rewrites`, not reported, unless
+``strict_cached_rewrites``.
 
 Each vLLM ``BlockPool`` is one kvsan pool: a block is a page of
 ``block_size`` token slots, one layer (the manager does not see layers).
@@ -108,9 +119,19 @@ class Adapter(Hooks):
     engine = "vllm"
     follows = "vLLM 0.33.0's KV cache manager"
 
-    def __init__(self, san: Sanitizer) -> None:
+    def __init__(self, san: Sanitizer, strict_cached_rewrites: bool = False) -> None:
         super().__init__(san)
         self.unchecked_blocks = 0
+        #: Report a request recomputing its own tokens into a block the
+        #: prefix cache holds (see the module's doc) as ``foreign-write``.
+        self.strict_cached_rewrites = strict_cached_rewrites
+        #: Blocks in the prefix cache that a request wrote again with the
+        #: tokens the block's hash stands for (not reported unless strict).
+        self.cached_rewrites = 0
+        # Asynchronous connector loads allocated and not yet over, by
+        # request id: the external token range, and the blocks the worker
+        # reported failed so far.
+        self._loading: dict[str, tuple[int, int, set[int]]] = {}
         self._local = threading.local()
         self._lock = threading.RLock()
         self._pools: weakref.WeakKeyDictionary[Any, _PoolState] = weakref.WeakKeyDictionary()
@@ -146,6 +167,9 @@ class Adapter(Hooks):
         self._wrap(km.KVCacheManager, "allocate_slots", self._on_allocate_slots)
         self._allocate_slots = inspect.signature(vars(km.KVCacheManager)["allocate_slots"].__wrapped__)
         self._wrap(km.KVCacheManager, "free", self._on_manager_free)
+        from vllm.v1.core.sched import scheduler as sch
+
+        self._wrap(sch.Scheduler, "update_from_output", self._on_worker_output)
         for cls in subclasses(kc.KVCacheCoordinator):
             if "allocate_new_blocks" in vars(cls):
                 self._wrap(cls, "allocate_new_blocks", self._on_allocate_new_blocks)
@@ -170,9 +194,11 @@ class Adapter(Hooks):
             s = self._local.stack = []
         return s
 
-    def _steps(self) -> list[tuple[str, int, int, int]]:
-        """The ``allocate_slots`` calls under way: request, tokens local,
-        tokens computed before the step, tokens after it."""
+    def _steps(self) -> list[tuple[Any, int, int, int]]:
+        """The ``allocate_slots`` calls under way: the request, its first
+        token the step writes (after its local hits and any connector
+        tokens loaded with the step), tokens computed before the step,
+        tokens after it."""
         s = getattr(self._local, "steps", None)
         if s is None:
             s = self._local.steps = []
@@ -435,13 +461,20 @@ class Adapter(Hooks):
         args = bound.arguments
         local = request.num_computed_tokens + args["num_new_computed_tokens"]
         total = min(local + args["num_external_computed_tokens"], kvm.max_model_len)
-        step = (request.request_id, local, total, total + num_new_tokens)
+        first = local
+        if args["delay_cache_blocks"] and total > local:
+            # An asynchronous load: its tokens are written when it lands
+            # (``_update_waiting_for_remote_kv``), not now.
+            first = total
+        step = (request, first, total, total + num_new_tokens)
         steps = self._steps()
         steps.append(step)
         try:
             out = original(kvm, request, num_new_tokens, *a, **kw)
         finally:
             steps.pop()
+        if out is not None and first > local:
+            self._loading[request.request_id] = (local, total, set())
         if out is not None and num_new_tokens > 0:
             with self._lock:
                 self._read(kvm, request.request_id, total + num_new_tokens)
@@ -451,14 +484,53 @@ class Adapter(Hooks):
         out = original(coord, request_id, *a, **kw)
         steps = self._steps()
         step = steps[-1] if steps else None
-        if step is not None and step[0] == request_id:
-            _, local, total, end = step
+        if step is not None and step[0].request_id == request_id:
+            request, first, _, end = step
             with self._lock:
-                # The connector's tokens land, then the step computes its own.
-                self._write(coord.single_type_managers, request_id, local, end)
+                # A synchronous connector load lands within the step, before
+                # its attention; then the step computes its own tokens.
+                self._write(coord.single_type_managers, request, first, end)
         return out
 
-    def _write(self, managers: Any, rid: str, start: int, end: int) -> None:
+    def _on_worker_output(self, original: Callable[..., Any], sched: Any, scheduler_output: Any, runner: Any, *a: Any, **kw: Any) -> Any:
+        """The worker's report of a step, read before vLLM acts on it: an
+        asynchronous load it says is over (``finished_recving``) wrote its
+        tokens, except in the blocks it says failed (``invalid_block_ids``,
+        in this report or an earlier one); a load it says failed as a whole
+        (``failed_recving``) wrote nothing. What vLLM then counts as
+        computed or registers in the prefix cache is checked against that.
+        """
+        report = getattr(runner, "kv_connector_output", None)
+        if report is not None and self._loading:
+            with self._lock:
+                self._read_load_report(sched, report)
+        return original(sched, scheduler_output, runner, *a, **kw)
+
+    def _read_load_report(self, sched: Any, report: Any) -> None:
+        invalid = set(getattr(report, "invalid_block_ids", None) or ())
+        failed = set(getattr(report, "failed_recving", None) or ())
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+        for rid in list(self._loading):
+            request = sched.requests.get(rid)
+            if request is None:
+                continue
+            start, end, bad = self._loading[rid]
+            bad.update(b for b in self._blocks_of(managers, rid) if b in invalid)
+            if rid not in (getattr(report, "finished_recving", None) or ()):
+                continue
+            del self._loading[rid]
+            if rid in failed:
+                continue
+            for lo, hi in _ranges_without(managers, rid, start, end, bad):
+                self._write(managers, request, lo, hi)
+
+    @staticmethod
+    def _blocks_of(managers: Any, rid: str) -> list[int]:
+        return [b.block_id for m in managers for b in (m.req_to_blocks.get(rid) or [])]
+
+    def _write(self, managers: Any, request: Any, start: int, end: int) -> None:
+        rid = request.request_id
+        hashes = getattr(request, "block_hashes", None) or []
         for m in managers:
             st = self._state(m.block_pool)
             if st is None or not self._slot_exact(st, m):
@@ -475,6 +547,18 @@ class Adapter(Hooks):
                     continue
                 lo, hi = max(start, i * size) - i * size, min(end, (i + 1) * size) - i * size
                 if lo >= hi:
+                    continue
+                if (
+                    b.cache_held
+                    and not self.strict_cached_rewrites
+                    and blk.block_hash is not None
+                    and i < len(hashes)
+                    and _hash_of(blk.block_hash) == hashes[i]
+                ):
+                    # The request writes the tokens the cached block's hash
+                    # stands for, at their positions (the hash chains every
+                    # token before them): the same KV, not another's.
+                    self.cached_rewrites += 1
                     continue
                 v = st.pool.write(owner, b.ref, (lo, hi))
                 self._note(v, "the step computes tokens into a block", blk.block_id, owner.request)
@@ -493,6 +577,8 @@ class Adapter(Hooks):
     def _on_manager_free(self, original: Callable[..., Any], kvm: Any, request: Any) -> Any:
         out = original(kvm, request)
         with self._lock:
+            # A load still under way when the blocks go never lands in them.
+            self._loading.pop(request.request_id, None)
             tenant = self._tenants.pop(request.request_id, 0)
             pools = {id(m.block_pool): m.block_pool for m in kvm.coordinator.single_type_managers}
             for block_pool in pools.values():
@@ -537,13 +623,43 @@ def _unmodelled(manager: Any, pool: Any) -> str | None:
     return None
 
 
+def _ranges_without(managers: Any, rid: str, start: int, end: int, bad: set[int]) -> Iterator[tuple[int, int]]:
+    """The token ranges of ``start..end`` outside the request's blocks in
+    ``bad``, in any of its groups (block sizes may differ by group)."""
+    cut: set[int] = set()
+    for m in managers:
+        for i, blk in enumerate(m.req_to_blocks.get(rid) or []):
+            if blk.block_id in bad:
+                cut.update(range(max(start, i * m.block_size), min(end, (i + 1) * m.block_size)))
+    lo = start
+    while lo < end:
+        while lo < end and lo in cut:
+            lo += 1
+        hi = lo
+        while hi < end and hi not in cut:
+            hi += 1
+        if lo < hi:
+            yield lo, hi
+        lo = hi
+
+
+def _hash_of(key: Any) -> Any:
+    """The block hash in a cached block's key (hash and group id)."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    return get_block_hash(key)
+
+
 def _tenant(salt: str) -> int:
     """A tenant id for a cache salt: the same salt, the same tenant."""
     return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:4], "little") or 1
 
 
-def attach(san: Sanitizer | None = None) -> Adapter:
+def attach(san: Sanitizer | None = None, strict_cached_rewrites: bool = False) -> Adapter:
     """kvsan attached to vLLM in this process (the shim as
     :func:`kvsan.attach` finds it). Detach with :meth:`Adapter.detach`, or
-    use the adapter as a context manager."""
-    return Adapter(san or attach_sanitizer()).attach()
+    use the adapter as a context manager. ``strict_cached_rewrites``
+    reports a request recomputing its own tokens into a cached block as
+    ``foreign-write`` (by default they are counted in
+    :attr:`Adapter.cached_rewrites`)."""
+    return Adapter(san or attach_sanitizer(), strict_cached_rewrites).attach()

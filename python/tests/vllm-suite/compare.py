@@ -57,7 +57,7 @@ def main() -> int:
         else:
             print(f"  listed finding not found: {t} ({kind}): {state}: {first(message)}")
             status = 1
-    others = Counter(first(m).split(" for ")[0] for t, (s, m) in without.items() if s != "passed")
+    others = Counter(first(m).split(" for ")[0].split(", line ")[0] for t, (s, m) in without.items() if s != "passed")
     print(f"vLLM tests: {len(without)} run; {len(passed)} pass without kvsan; "
           f"{len(passed) - len(lost) - found} of them pass with kvsan attached, "
           f"{found} fail with a listed kvsan finding, {len(lost)} fail otherwise")

@@ -1,0 +1,148 @@
+"""kvsan.vllm on vLLM's scheduler with a KV connector: a connector's tokens
+are written when its load lands, never when their blocks are allocated.
+
+Driven as vLLM's own connector unit tests drive the scheduler (their
+helpers, from the release's source tree: ``VLLM_SRC``, set by
+``scripts/vllm-tests run``), with a mock connector that answers
+``get_num_new_matched_tokens`` and the worker's output that says which
+loads finished or failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+if not os.environ.get("VLLM_SRC"):
+    pytest.skip("needs vLLM's test helpers: VLLM_SRC (bash scripts/vllm-tests setup)", allow_module_level=True)
+sys.path.insert(0, os.environ["VLLM_SRC"])
+
+from tests.v1.kv_connector.unit.utils import (  # noqa: E402
+    create_mock_connector,
+    create_model_runner_output,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import kvsan.vllm  # noqa: E402
+
+LOADED_BLOCKS = 2
+
+
+@pytest.fixture
+def adapter() -> Iterator[kvsan.vllm.Adapter]:
+    a = kvsan.vllm.attach()
+    a.take_violations()
+    yield a
+    a.detach()
+
+
+def kinds(adapter: kvsan.vllm.Adapter) -> list[str]:
+    return [f.kind for f in adapter.take_violations()]
+
+
+def loading(policy: str = "recompute") -> tuple[Any, Any]:
+    """A scheduler whose connector loads the first ``LOADED_BLOCKS`` blocks
+    of request ``A`` asynchronously, and A scheduled: its blocks are
+    allocated and it waits for the load."""
+    scheduler = create_scheduler(create_vllm_config(kv_load_failure_policy=policy))
+    block = scheduler.block_size
+    a = create_request(request_id=1, num_tokens=3 * block)
+    scheduler.add_request(a)
+    scheduler.connector = create_mock_connector()
+    scheduler.connector.get_loaded_kv_cache_group_ids.return_value = (0,)
+    scheduler.connector.request_finished.return_value = (False, None)
+    scheduler.connector.take_events.return_value = ()
+    answers = {a.request_id: LOADED_BLOCKS * block}
+    scheduler.connector.get_num_new_matched_tokens.side_effect = lambda r, _n: (
+        (answers.pop(r.request_id), True) if r.request_id in answers else (0, False)
+    )
+    out = scheduler.schedule()
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    scheduler.update_from_output(out, create_model_runner_output([]))
+    return scheduler, a
+
+
+def land(scheduler: Any, a: Any, invalid: set[int] | None = None) -> None:
+    """The worker reports A's load over (with ``invalid`` blocks failed)."""
+    out = scheduler.schedule()
+    runner = create_model_runner_output([], finished_recving={a.request_id}, invalid_block_ids=invalid)
+    scheduler.update_from_output(out, runner)
+
+
+def block_ids(scheduler: Any, a: Any) -> list[int]:
+    return [b.block_id for b in scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[a.request_id]]
+
+
+def hit_by_a_second_request(scheduler: Any, a: Any) -> int:
+    """Tokens a request with A's prompt finds in the prefix cache."""
+    b = create_request(request_id=1, num_tokens=a.num_prompt_tokens)  # A's tokens
+    assert b.prompt_token_ids == a.prompt_token_ids
+    _, hit, *_ = scheduler.kv_cache_manager.get_computed_blocks(b)
+    return hit
+
+
+def test_a_load_that_lands_is_written_and_its_blocks_are_shared_cleanly(adapter: Any) -> None:
+    scheduler, a = loading()
+    land(scheduler, a)
+    scheduler.schedule()  # A resumes; vLLM registers the landed blocks
+    assert kinds(adapter) == []
+    # vLLM registered the loaded blocks once they landed.
+    assert hit_by_a_second_request(scheduler, a) == LOADED_BLOCKS * scheduler.block_size
+    assert kinds(adapter) == []
+
+
+def test_loaded_blocks_registered_before_the_load_lands_are_caught(adapter: Any) -> None:
+    # The class: a connector's blocks put in the prefix cache at allocation
+    # (the scheduler's delay_cache_blocks not honoured), so a second request
+    # can hit them while they still hold whatever the pool left there.
+    scheduler, a = loading()
+    scheduler.kv_cache_manager.cache_blocks(a, LOADED_BLOCKS * scheduler.block_size)
+    assert kinds(adapter) == ["unwritten-share"] * LOADED_BLOCKS
+    assert hit_by_a_second_request(scheduler, a) == LOADED_BLOCKS * scheduler.block_size
+
+
+def test_after_a_failed_block_only_the_valid_prefix_is_written(adapter: Any) -> None:
+    scheduler, a = loading()
+    second = block_ids(scheduler, a)[1]
+    land(scheduler, a, invalid={second})
+    # vLLM keeps the first block (the valid prefix) and recomputes from the
+    # second: the clean run reports nothing.
+    assert a.num_computed_tokens == scheduler.block_size
+    scheduler.schedule()
+    assert kinds(adapter) == []
+
+
+def test_a_failed_block_registered_as_loaded_is_caught(adapter: Any) -> None:
+    # The class: a failed load still counted as a hit (dynamo#15079): the
+    # block that failed is registered as if it had landed.
+    scheduler, a = loading()
+    second = block_ids(scheduler, a)[1]
+    out = scheduler.schedule()
+    runner = create_model_runner_output([], finished_recving={a.request_id}, invalid_block_ids={second})
+    scheduler.update_from_output(out, runner)
+    real = scheduler._update_waiting_for_remote_kv
+
+    def as_if_loaded(request: Any) -> None:
+        request.num_computed_tokens = LOADED_BLOCKS * scheduler.block_size
+        real(request)
+
+    scheduler._update_waiting_for_remote_kv = as_if_loaded
+    scheduler.schedule()
+    assert "unwritten-share" in kinds(adapter)
+
+
+def test_a_load_abandoned_with_its_request_marks_nothing_written(adapter: Any) -> None:
+    scheduler, a = loading()
+    scheduler.finish_requests(a.request_id, RequestStatus.FINISHED_ABORTED)
+    # The worker's late report of the abandoned load.
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, create_model_runner_output([], finished_recving={a.request_id}))
+    # Nothing is written into blocks the request no longer holds.
+    assert kinds(adapter) == []
