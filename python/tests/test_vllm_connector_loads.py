@@ -146,3 +146,50 @@ def test_a_load_abandoned_with_its_request_marks_nothing_written(adapter: Any) -
     scheduler.update_from_output(out, create_model_runner_output([], finished_recving={a.request_id}))
     # Nothing is written into blocks the request no longer holds.
     assert kinds(adapter) == []
+
+
+def producing(num_blocks: int) -> tuple[Any, Any]:
+    """P/D's prefill side: a pool of ``num_blocks`` blocks, request A
+    (three blocks of prompt, one token to produce) computed and finished,
+    its blocks handed to a remote reader (the connector delays their free)."""
+    scheduler = create_scheduler(create_vllm_config(kv_role="kv_producer"), num_blocks=num_blocks)
+    scheduler.connector = create_mock_connector()
+    scheduler.connector.get_num_new_matched_tokens.return_value = (0, False)
+    scheduler.connector.request_finished.return_value = (True, {"remote": "decode"})
+    scheduler.connector.take_events.return_value = ()
+    a = create_request(request_id=1, num_tokens=3 * scheduler.block_size, do_remote_decode=True)
+    scheduler.add_request(a)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, create_model_runner_output([a]))
+    assert a.is_finished() and a.request_id in scheduler.requests  # blocks kept for the reader
+    return scheduler, a
+
+
+def another_request_takes_every_block(scheduler: Any) -> None:
+    b = create_request(request_id=7, num_tokens=3 * scheduler.block_size)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert b.request_id in out.num_scheduled_tokens
+
+
+def test_blocks_held_for_a_remote_reader_until_it_is_done_pass(adapter: Any) -> None:
+    scheduler, a = producing(num_blocks=4)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, create_model_runner_output([], finished_sending={a.request_id}))
+    assert a.request_id not in scheduler.requests
+    another_request_takes_every_block(scheduler)
+    assert kinds(adapter) == []
+
+
+def test_blocks_freed_while_the_remote_reader_still_reads_them_are_caught(adapter: Any) -> None:
+    # The class of vLLM #45357: a finished request's blocks go back to the
+    # pool while the transfer that reads them is still in flight.
+    scheduler, a = producing(num_blocks=4)
+    scheduler.kv_cache_manager.free(a)  # without waiting for finished_sending
+    another_request_takes_every_block(scheduler)
+    assert kinds(adapter) == []  # vLLM's own books balance
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, create_model_runner_output([], finished_sending={a.request_id}))
+    # The request ended when vLLM freed its blocks; the remote read of its
+    # KV comes after that, from blocks another request now holds.
+    assert kinds(adapter) == ["terminal-request-activity"]

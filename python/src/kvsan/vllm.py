@@ -22,6 +22,10 @@ a block hash removed (eviction, reset)      the prefix cache lets go
 ``Scheduler.update_from_output``: the      ``write`` of an asynchronous load's
 worker's ``finished_recving``               tokens, minus the blocks named in
                                             ``invalid_block_ids``
+``Scheduler._connector_finished`` delays   the request's blocks noted for
+the free (a remote reader)                  the remote read
+the worker's ``finished_sending``           ``read`` of those blocks by the
+                                            request
 ``KVCacheManager.free`` of a finished one   ``finished`` (``page-leak``)
 ==========================================  ==================================
 
@@ -132,6 +136,11 @@ class Adapter(Hooks):
         # request id: the external token range, and the blocks the worker
         # reported failed so far.
         self._loading: dict[str, tuple[int, int, set[int]]] = {}
+        # P/D producer side: what a finished request handed to a remote
+        # reader (the connector delays the free of its blocks), read when
+        # the worker reports the send over: pool, owner, block runs and
+        # the tokens read from each.
+        self._sending: dict[str, list[tuple[_PoolState, Owner, list[PageRef], int]]] = {}
         self._local = threading.local()
         self._lock = threading.RLock()
         self._pools: weakref.WeakKeyDictionary[Any, _PoolState] = weakref.WeakKeyDictionary()
@@ -170,6 +179,7 @@ class Adapter(Hooks):
         from vllm.v1.core.sched import scheduler as sch
 
         self._wrap(sch.Scheduler, "update_from_output", self._on_worker_output)
+        self._wrap(sch.Scheduler, "_connector_finished", self._on_connector_finished)
         for cls in subclasses(kc.KVCacheCoordinator):
             if "allocate_new_blocks" in vars(cls):
                 self._wrap(cls, "allocate_new_blocks", self._on_allocate_new_blocks)
@@ -295,6 +305,10 @@ class Adapter(Hooks):
                 st.pool.free(Owner(n, 0), b.ref)
             if b.cache_held:
                 st.pool.free(Owner(PREFIX_CACHE_REQUEST, 0), b.ref)
+        for rid, reads in list(self._sending.items()):
+            reads[:] = [r for r in reads if r[0] is not st]
+            if not reads:
+                del self._sending[rid]
         self._spare_pool(st.page_slots, st.pages, st.pool)
 
     def _state_of(self, default_pool: Any, block: Any) -> _PoolState | None:
@@ -501,10 +515,38 @@ class Adapter(Hooks):
         computed or registers in the prefix cache is checked against that.
         """
         report = getattr(runner, "kv_connector_output", None)
-        if report is not None and self._loading:
+        if report is not None and (self._loading or self._sending):
             with self._lock:
                 self._read_load_report(sched, report)
+                for rid in getattr(report, "finished_sending", None) or ():
+                    for st, owner, refs, n in self._sending.pop(rid, []):
+                        v = st.pool.read(owner, refs, n)
+                        self._note(v, "the remote reader reads the finished request's blocks", None, owner.request)
         return original(sched, scheduler_output, runner, *a, **kw)
+
+    def _on_connector_finished(self, original: Callable[..., Any], sched: Any, request: Any) -> Any:
+        """A finished request's blocks go to a remote reader when the
+        connector delays their free. The read is checked when the worker
+        reports the send over (``finished_sending``), as the request's, at
+        the blocks' generations of now: blocks vLLM let go of and handed
+        out before then are read stale, and the report names it."""
+        out = original(sched, request)
+        delay = bool(out[0]) if isinstance(out, tuple) and out else False
+        if not delay or request.request_id in self._sending:
+            return out
+        with self._lock:
+            reads: list[tuple[_PoolState, Owner, list[PageRef], int]] = []
+            tokens = request.num_computed_tokens
+            for m in sched.kv_cache_manager.coordinator.single_type_managers:
+                st = self._state(m.block_pool)
+                if st is None or not self._slot_exact(st, m):
+                    continue
+                owner = self._owner(st, request.request_id)
+                blocks = (m.req_to_blocks.get(request.request_id) or [])[: -(-tokens // m.block_size)]
+                for _, refs, n in _segments(st, blocks, tokens, m.block_size):
+                    reads.append((st, owner, refs, n))
+            self._sending[request.request_id] = reads
+        return out
 
     def _read_load_report(self, sched: Any, report: Any) -> None:
         invalid = set(getattr(report, "invalid_block_ids", None) or ())
