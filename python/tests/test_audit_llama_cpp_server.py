@@ -50,6 +50,14 @@ def _path(var: str) -> Path:
     return path
 
 
+def _server_state(server: subprocess.Popen, log: Path) -> str:
+    """Whether the server still runs (its exit status if not) and the end
+    of its log: what a failure here needs to be told apart from kvsan's."""
+    code = server.poll()
+    state = "still running" if code is None else f"exited with status {code}"
+    return f"llama_cpp.server {state}; the end of its log:\n{log.read_text(errors='replace')[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
     model = _path("KVSAN_MODEL")
@@ -72,10 +80,22 @@ def llama_server(tmp_path_factory):
             pass
         if server.poll() is not None or time.monotonic() > deadline:
             server.kill()
-            err = log.read_text(errors="replace")[-2000:]
-            pytest.fail(f"llama_cpp.server did not start on {url}: {err}")
+            pytest.fail(f"llama_cpp.server did not start on {url}: {_server_state(server, log)}")
         time.sleep(0.5)
-    yield url
+    # One completion before the audit: a server that cannot decode (a
+    # build for another CPU dies in its first decode) fails here, named,
+    # rather than as an audit that found the server unresponsive.
+    body = json.dumps({"prompt": "One", "max_tokens": 1, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert r.status == 200, r.status
+    except OSError as e:
+        server.kill()
+        server.wait()
+        pytest.fail(f"llama_cpp.server on {url} answered no completion ({e}): {_server_state(server, log)}")
+    yield url, server, log
     server.terminate()
     try:
         server.wait(timeout=10)
@@ -86,17 +106,20 @@ def llama_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def audit(llama_server):
     """One audit of the server: limits, prefix timing and the salt
-    assertions, six timed samples per arm."""
+    assertions, six timed samples per arm. The third element, for the
+    assertion messages, is the end of the audit's stderr and the server's
+    state."""
+    url, server, log = llama_server
     kvsan = _path("KVSAN_BIN")
     out = subprocess.run(
-        [str(kvsan), "audit", "--base-url", llama_server, "--api-key", "sk-a", "--other-api-key", "sk-b",
+        [str(kvsan), "audit", "--base-url", url, "--api-key", "sk-a", "--other-api-key", "sk-b",
          "--context-length", str(CONTEXT), "--phases", "limits,timing,salt", "--timing-samples", "6",
          "--budget", "200", "--seed", "1", "--json"],
         capture_output=True,
         text=True,
         timeout=1200,
     )
-    return out.returncode, json.loads(out.stdout), out.stderr[-2000:]
+    return out.returncode, json.loads(out.stdout), out.stderr[-2000:] + "\n" + _server_state(server, log)
 
 
 def test_the_audit_finds_llama_cpp_servers_prompt_cache_shared_across_keys(audit):
