@@ -193,3 +193,85 @@ def test_blocks_freed_while_the_remote_reader_still_reads_them_are_caught(adapte
     # The request ended when vLLM freed its blocks; the remote read of its
     # KV comes after that, from blocks another request now holds.
     assert kinds(adapter) == ["terminal-request-activity"]
+
+
+# ---- a finished request's blocks freed while a step still writes them ----
+
+
+def async_consumer(defer: bool, load_async: bool = True) -> tuple[Any, Any, Any, Any, list[int]]:
+    """An asynchronously scheduling consumer with room for three blocks:
+    request A's prefill (three blocks) and a decode step over-scheduled
+    behind it, then A stops on its prefill's token while the decode step
+    is still in flight. ``defer`` is vLLM's fix (PR #45357): the return of
+    A's blocks waits for the in-flight step's output. Returns the
+    scheduler, A, B (a remote prefill of two blocks, not yet scheduled),
+    the decode step and A's blocks. ``load_async``: B's load lands after
+    the step that allocates it, else within it."""
+    config = create_vllm_config()
+    config.scheduler_config.async_scheduling = True
+    scheduler = create_scheduler(config, num_blocks=4)
+    scheduler.defer_block_free = defer
+    scheduler.connector = create_mock_connector()
+    scheduler.connector.get_loaded_kv_cache_group_ids.return_value = (0,)
+    scheduler.connector.request_finished.return_value = (False, None)
+    scheduler.connector.take_events.return_value = ()
+    block = scheduler.block_size
+    b_id = "id-2"
+    scheduler.connector.get_num_new_matched_tokens.side_effect = lambda r, _n: (
+        (2 * block, load_async) if r.request_id == b_id and r.num_computed_tokens == 0 else (0, False)
+    )
+    a = create_request(request_id=1, num_tokens=2 * block + 1, max_tokens=5)
+    scheduler.add_request(a)
+    prefill = scheduler.schedule()
+    decode = scheduler.schedule()
+    assert decode.num_scheduled_tokens[a.request_id] == 1
+    a_blocks = block_ids(scheduler, a)
+    scheduler.update_from_output(prefill, create_model_runner_output([a], use_eos=True))
+    assert a.is_finished()
+    b = create_request(request_id=2, num_tokens=2 * block + 1, do_remote_prefill=True)
+    assert b.request_id == b_id
+    scheduler.add_request(b)
+    return scheduler, a, b, decode, a_blocks
+
+
+@pytest.mark.parametrize("load_async", [True, False], ids=["async-load", "sync-load"])
+def test_blocks_freed_while_a_step_still_writes_them_and_loaded_into_are_caught(adapter: Any, load_async: bool) -> None:
+    scheduler, a, b, decode, a_blocks = async_consumer(defer=False, load_async=load_async)
+    scheduler.schedule()
+    # B's load was given A's last block while A's decode step may still
+    # write it.
+    assert b.status == (RequestStatus.WAITING_FOR_REMOTE_KVS if load_async else RequestStatus.RUNNING)
+    assert a_blocks[-1] in block_ids(scheduler, b)
+    found = adapter.take_violations()
+    assert [f.kind for f in found] == ["generation-mismatch"], found
+    assert "still in flight" in found[0].what and found[0].request == a.request_id
+    scheduler.update_from_output(decode, create_model_runner_output([]))
+    assert kinds(adapter) == []
+
+
+def test_blocks_whose_free_waits_for_the_in_flight_step_pass(adapter: Any) -> None:
+    scheduler, a, b, decode, a_blocks = async_consumer(defer=True)
+    scheduler.schedule()
+    # No block is free until the decode step's output is processed.
+    assert block_ids_or_none(scheduler, b) == []
+    scheduler.update_from_output(decode, create_model_runner_output([]))
+    out = scheduler.schedule()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert a_blocks[-1] in block_ids(scheduler, b)
+    scheduler.update_from_output(out, create_model_runner_output([], finished_recving={b.request_id}))
+    assert kinds(adapter) == []
+
+
+def test_freed_blocks_the_next_request_computes_into_itself_pass(adapter: Any) -> None:
+    """Without a connector load the next owner's writes follow the stale
+    one on the same stream: vLLM frees at once, and so may it."""
+    scheduler, a, b, decode, a_blocks = async_consumer(defer=False)
+    scheduler.connector.get_num_new_matched_tokens.side_effect = lambda r, _n: (0, False)
+    scheduler.schedule()
+    assert a_blocks[-1] in block_ids(scheduler, b)
+    assert kinds(adapter) == []
+
+
+def block_ids_or_none(scheduler: Any, r: Any) -> list[int]:
+    blocks = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get(r.request_id)
+    return [blk.block_id for blk in blocks or []]

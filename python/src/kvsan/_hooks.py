@@ -151,7 +151,9 @@ class Hooks:
     def _request_name(self, n: int) -> str | None:
         return None
 
-    def _note(self, v: Verdict, what: str, block: int | None, n: int | None) -> None:
+    def _note(self, v: Verdict, what: str, block: int | None, n: int | None, name: str | None = None) -> None:
+        """Counts a check; keeps a violation, naming the request ``name``,
+        else the engine's name of kvsan's request ``n``."""
         self.events += 1
         if v.ok:
             return
@@ -161,7 +163,7 @@ class Hooks:
                 violation=v.violation or "?",
                 what=what,
                 block=block,
-                request=None if n is None else (self._request_name(n) or f"#{n}"),
+                request=name or (None if n is None else (self._request_name(n) or f"#{n}")),
             )
         )
 

@@ -22,6 +22,11 @@ a block hash removed (eviction, reset)      the prefix cache lets go
 ``Scheduler.update_from_output``: the      ``write`` of an asynchronous load's
 worker's ``finished_recving``               tokens, minus the blocks named in
                                             ``invalid_block_ids``
+``Scheduler.schedule`` returns a step       its writes, in flight until the
+                                            step is reported
+blocks allocated for a connector load       an in-flight step's write into
+                                            one of them under an earlier
+                                            owner (``generation-mismatch``)
 ``Scheduler._connector_finished`` delays   the request's blocks noted for
 the free (a remote reader)                  the remote read
 the worker's ``finished_sending``           ``read`` of those blocks by the
@@ -98,6 +103,18 @@ class _Block:
     unchecked: bool = False
 
 
+@dataclass
+class _StepWrite:
+    """A write a scheduled step dispatched to the worker."""
+
+    st: "_PoolState"
+    block: int
+    ref: PageRef
+    owner: Owner
+    rid: str
+    slots: tuple[int, int]
+
+
 class _PoolState:
     """The kvsan pool behind one vLLM ``BlockPool``, and who holds what."""
 
@@ -141,6 +158,14 @@ class Adapter(Hooks):
         # the worker reports the send over: pool, owner, block runs and
         # the tokens read from each.
         self._sending: dict[str, list[tuple[_PoolState, Owner, list[PageRef], int]]] = {}
+        # Steps scheduled and not yet reported back, by KV cache manager,
+        # oldest first: each with the writes it dispatched (pool, block,
+        # tag, writer, slots). A block vLLM frees while such a write is in
+        # flight and hands to a connector load gets two writers that
+        # nothing orders.
+        self._inflight: weakref.WeakKeyDictionary[Any, list[tuple[Any, list[_StepWrite]]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._local = threading.local()
         self._lock = threading.RLock()
         self._pools: weakref.WeakKeyDictionary[Any, _PoolState] = weakref.WeakKeyDictionary()
@@ -178,6 +203,7 @@ class Adapter(Hooks):
         self._wrap(km.KVCacheManager, "free", self._on_manager_free)
         from vllm.v1.core.sched import scheduler as sch
 
+        self._wrap(sch.Scheduler, "schedule", self._on_schedule)
         self._wrap(sch.Scheduler, "update_from_output", self._on_worker_output)
         self._wrap(sch.Scheduler, "_connector_finished", self._on_connector_finished)
         for cls in subclasses(kc.KVCacheCoordinator):
@@ -487,6 +513,9 @@ class Adapter(Hooks):
             out = original(kvm, request, num_new_tokens, *a, **kw)
         finally:
             steps.pop()
+        if out is not None and total > local:
+            with self._lock:
+                self._unordered_load(kvm, request, local, total)
         if out is not None and first > local:
             self._loading[request.request_id] = (local, total, set())
         if out is not None and num_new_tokens > 0:
@@ -506,6 +535,67 @@ class Adapter(Hooks):
                 self._write(coord.single_type_managers, request, first, end)
         return out
 
+    def _on_schedule(self, original: Callable[..., Any], sched: Any, *a: Any, **kw: Any) -> Any:
+        """A step: the writes it dispatches stay in flight until its output
+        is reported (``update_from_output``). The engine's loop keeps at
+        most ``max_concurrent_batches`` steps in flight (two under async
+        scheduling), so scheduling a new one means the older ones are
+        done, reported or not (a test may skip a report)."""
+        kvm = sched.kv_cache_manager
+        async_sched = any(c.__name__ == "AsyncScheduler" for c in type(sched).__mro__)
+        depth = max(int(getattr(sched.vllm_config, "max_concurrent_batches", 1) or 1), 2 if async_sched else 1)
+        with self._lock:
+            inflight = self._inflight.setdefault(kvm, [])
+            del inflight[: max(0, len(inflight) - (depth - 1))]
+        writes: list[_StepWrite] = []
+        self._local.step_writes = writes
+        try:
+            out = original(sched, *a, **kw)
+        finally:
+            self._local.step_writes = None
+        scheduled = getattr(out, "num_scheduled_tokens", None) or {}
+        # A request preempted within the schedule dispatched nothing.
+        writes = [w for w in writes if w.rid in scheduled]
+        with self._lock:
+            inflight.append((out, writes))
+        return out
+
+    def _unordered_load(self, kvm: Any, request: Any, start: int, end: int) -> None:
+        """A connector load into tokens ``start..end`` of ``request``'s
+        blocks: a block among them that a step still in flight writes under
+        an earlier owner gets that write and the load's in no set order
+        (the load is the NIC's, the write the GPU stream's; vLLM defers a
+        finished request's free on a consumer for this, PR #45357). The
+        step's write is reported as it is: through the tag of a page freed
+        and handed out since. A block the next owner computes into itself
+        is not reported: the stream orders those writes after the stale
+        one."""
+        inflight = self._inflight.get(kvm)
+        if not inflight or end <= start:
+            return
+        for m in kvm.coordinator.single_type_managers:
+            st = self._state(m.block_pool)
+            if st is None or not self._slot_exact(st, m):
+                continue
+            blocks = m.req_to_blocks.get(request.request_id) or []
+            size = m.block_size
+            targets = {blocks[i].block_id for i in range(start // size, min(len(blocks), -(-end // size)))}
+            for _, writes in inflight:
+                for w in writes:
+                    if w.st is not st or w.block not in targets:
+                        continue
+                    b = st.block(w.block)
+                    if b.ref is None or b.ref.generation == w.ref.generation:
+                        continue
+                    v = st.pool.write(w.owner, w.ref, w.slots)
+                    self._note(
+                        v,
+                        f"a step still in flight writes a block freed and handed to request {request.request_id}'s connector load",
+                        w.block,
+                        w.owner.request,
+                        w.rid,
+                    )
+
     def _on_worker_output(self, original: Callable[..., Any], sched: Any, scheduler_output: Any, runner: Any, *a: Any, **kw: Any) -> Any:
         """The worker's report of a step, read before vLLM acts on it: an
         asynchronous load it says is over (``finished_recving``) wrote its
@@ -514,6 +604,12 @@ class Adapter(Hooks):
         (``failed_recving``) wrote nothing. What vLLM then counts as
         computed or registers in the prefix cache is checked against that.
         """
+        with self._lock:
+            inflight = self._inflight.get(sched.kv_cache_manager) or []
+            # Steps are reported in the order they were scheduled.
+            done = next((i for i, (o, _) in enumerate(inflight) if o is scheduler_output), None)
+            if done is not None:
+                del inflight[: done + 1]
         report = getattr(runner, "kv_connector_output", None)
         if report is not None and (self._loading or self._sending):
             with self._lock:
@@ -604,6 +700,9 @@ class Adapter(Hooks):
                     continue
                 v = st.pool.write(owner, b.ref, (lo, hi))
                 self._note(v, "the step computes tokens into a block", blk.block_id, owner.request)
+                writes = getattr(self._local, "step_writes", None)
+                if writes is not None and v.ok:
+                    writes.append(_StepWrite(st, blk.block_id, PageRef(b.ref.page, b.ref.generation), owner, rid, (lo, hi)))
 
     def _read(self, kvm: Any, rid: str, tokens: int) -> None:
         for m in kvm.coordinator.single_type_managers:
