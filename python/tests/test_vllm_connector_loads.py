@@ -148,19 +148,30 @@ def test_a_load_abandoned_with_its_request_marks_nothing_written(adapter: Any) -
     assert kinds(adapter) == []
 
 
-def producing(num_blocks: int) -> tuple[Any, Any]:
+def producing(num_blocks: int, hand_out: Any = None, others: int = 0, prompt: int = 48) -> tuple[Any, Any]:
     """P/D's prefill side: a pool of ``num_blocks`` blocks, request A
-    (three blocks of prompt, one token to produce) computed and finished,
-    its blocks handed to a remote reader (the connector delays their free)."""
+    (``prompt`` tokens: three blocks, one token to produce) computed and finished,
+    its blocks handed to a remote reader (the connector delays their free).
+    ``hand_out(request, block_ids)``: the connector's ``kv_transfer_params``
+    for the reader (default: none, the reader reads A's blocks). ``others``
+    requests of one block each run beside A."""
     scheduler = create_scheduler(create_vllm_config(kv_role="kv_producer"), num_blocks=num_blocks)
     scheduler.connector = create_mock_connector()
     scheduler.connector.get_num_new_matched_tokens.return_value = (0, False)
-    scheduler.connector.request_finished.return_value = (True, {"remote": "decode"})
+    scheduler.connector.request_finished.side_effect = lambda r, ids: (
+        (True, hand_out(r, ids)) if r.request_id == "id-1" else (False, None)
+    )
+    if hand_out is None:
+        scheduler.connector.request_finished.side_effect = None
+        scheduler.connector.request_finished.return_value = (True, {"remote": "decode"})
     scheduler.connector.take_events.return_value = ()
-    a = create_request(request_id=1, num_tokens=3 * scheduler.block_size, do_remote_decode=True)
+    a = create_request(request_id=1, num_tokens=prompt, do_remote_decode=True)
     scheduler.add_request(a)
+    beside = [create_request(request_id=10 + i, num_tokens=scheduler.block_size // 2, max_tokens=4) for i in range(others)]
+    for r in beside:
+        scheduler.add_request(r)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, create_model_runner_output([a]))
+    scheduler.update_from_output(out, create_model_runner_output([a, *beside]))
     assert a.is_finished() and a.request_id in scheduler.requests  # blocks kept for the reader
     return scheduler, a
 
@@ -182,8 +193,8 @@ def test_blocks_held_for_a_remote_reader_until_it_is_done_pass(adapter: Any) -> 
 
 
 def test_blocks_freed_while_the_remote_reader_still_reads_them_are_caught(adapter: Any) -> None:
-    # The class of vLLM #45357: a finished request's blocks go back to the
-    # pool while the transfer that reads them is still in flight.
+    # The delayed-free contract broken: a finished request's blocks go back
+    # to the pool while the transfer that reads them is still in flight.
     scheduler, a = producing(num_blocks=4)
     scheduler.kv_cache_manager.free(a)  # without waiting for finished_sending
     another_request_takes_every_block(scheduler)
@@ -193,6 +204,49 @@ def test_blocks_freed_while_the_remote_reader_still_reads_them_are_caught(adapte
     # The request ended when vLLM freed its blocks; the remote read of its
     # KV comes after that, from blocks another request now holds.
     assert kinds(adapter) == ["terminal-request-activity"]
+
+
+def nixl_params(r: Any, ids: Any) -> dict[str, Any]:
+    """What vLLM's NIXL connector hands a remote decoder: the block ids per
+    KV cache group and the tokens computed."""
+    return {"do_remote_prefill": True, "remote_block_ids": ids, "remote_num_tokens": r.num_computed_tokens}
+
+
+def send_over(scheduler: Any, a: Any) -> None:
+    """A step whose report says the remote reader is done with A."""
+    out = scheduler.schedule()
+    running = [scheduler.requests[rid] for rid in out.num_scheduled_tokens]
+    scheduler.update_from_output(out, create_model_runner_output(running, finished_sending={a.request_id}))
+
+
+def test_the_blocks_and_tokens_the_connector_hands_out_are_what_is_checked(adapter: Any) -> None:
+    scheduler, a = producing(num_blocks=6, hand_out=nixl_params, others=1)
+    send_over(scheduler, a)
+    assert kinds(adapter) == []
+
+
+def test_a_block_handed_out_that_the_request_does_not_hold_is_caught(adapter: Any) -> None:
+    # The connector's block list is off: its last entry is the block of the
+    # request running beside A.
+    def off(r: Any, ids: Any) -> dict[str, Any]:
+        return nixl_params(r, [*ids[:-1], ids[-1] + 1])
+
+    scheduler, a = producing(num_blocks=6, hand_out=off, others=1)
+    beside = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["id-10"]
+    assert [b.block_id for b in beside] == [block_ids(scheduler, a)[-1] + 1]
+    send_over(scheduler, a)
+    assert kinds(adapter) == ["foreign-read"]
+
+
+def test_tokens_handed_out_beyond_those_computed_are_caught(adapter: Any) -> None:
+    # The reader is told of one token more than A's KV holds: it reads a
+    # slot of A's last block that A never wrote.
+    def long(r: Any, ids: Any) -> dict[str, Any]:
+        return nixl_params(r, ids) | {"remote_num_tokens": r.num_computed_tokens + 1}
+
+    scheduler, a = producing(num_blocks=6, hand_out=long, prompt=44)
+    send_over(scheduler, a)
+    assert kinds(adapter) == ["stale-read"]
 
 
 # ---- a finished request's blocks freed while a step still writes them ----

@@ -27,8 +27,9 @@ worker's ``finished_recving``               tokens, minus the blocks named in
 blocks allocated for a connector load       an in-flight step's write into
                                             one of them under an earlier
                                             owner (``generation-mismatch``)
-``Scheduler._connector_finished`` delays   the request's blocks noted for
-the free (a remote reader)                  the remote read
+``Scheduler._connector_finished`` delays   the blocks and tokens handed to
+the free (a remote reader)                  the reader (``remote_block_ids``,
+                                            ``remote_num_tokens``) noted
 the worker's ``finished_sending``           ``read`` of those blocks by the
                                             request
 ``KVCacheManager.free`` of a finished one   ``finished`` (``page-leak``)
@@ -622,24 +623,40 @@ class Adapter(Hooks):
 
     def _on_connector_finished(self, original: Callable[..., Any], sched: Any, request: Any) -> Any:
         """A finished request's blocks go to a remote reader when the
-        connector delays their free. The read is checked when the worker
+        connector delays their free. What the remote reads is what the
+        connector hands it (``kv_transfer_params``: ``remote_block_ids``
+        per KV cache group, ``remote_num_tokens``), else the request's
+        blocks and computed tokens. The read is checked when the worker
         reports the send over (``finished_sending``), as the request's, at
-        the blocks' generations of now: blocks vLLM let go of and handed
-        out before then are read stale, and the report names it."""
+        the blocks' generations of the hand-off: a block handed out that
+        the request does not hold, tokens it never wrote, or blocks vLLM
+        let go of and handed out before the send is over are reported."""
         out = original(sched, request)
         delay = bool(out[0]) if isinstance(out, tuple) and out else False
         if not delay or request.request_id in self._sending:
             return out
+        params = out[1] if len(out) > 1 and isinstance(out[1], dict) else {}
+        handed = _block_id_groups(params.get("remote_block_ids"))
+        tokens = params.get("remote_num_tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            tokens = request.num_computed_tokens
         with self._lock:
             reads: list[tuple[_PoolState, Owner, list[PageRef], int]] = []
-            tokens = request.num_computed_tokens
-            for m in sched.kv_cache_manager.coordinator.single_type_managers:
+            for i, m in enumerate(sched.kv_cache_manager.coordinator.single_type_managers):
                 st = self._state(m.block_pool)
                 if st is None or not self._slot_exact(st, m):
                     continue
                 owner = self._owner(st, request.request_id)
-                blocks = (m.req_to_blocks.get(request.request_id) or [])[: -(-tokens // m.block_size)]
-                for _, refs, n in _segments(st, blocks, tokens, m.block_size):
+                if handed is not None and i < len(handed):
+                    every = m.block_pool.blocks
+                    blocks = [every[b] if 0 <= b < len(every) else None for b in handed[i]]
+                else:
+                    blocks = m.req_to_blocks.get(request.request_id) or []
+                blocks = blocks[: -(-tokens // m.block_size)]
+                # Tokens past the blocks handed out have no block to be read
+                # from (the reader's own count of blocks refuses them).
+                n_read = min(tokens, len(blocks) * m.block_size)
+                for _, refs, n in _segments(st, blocks, n_read, m.block_size):
                     reads.append((st, owner, refs, n))
             self._sending[request.request_id] = reads
         return out
@@ -739,7 +756,7 @@ def _segments(st: _PoolState, blocks: list[Any], tokens: int, size: int) -> Iter
     first = 0
     start = 0
     for i, blk in enumerate(blocks):
-        b = None if blk.is_null else st.blocks.get(blk.block_id)
+        b = None if blk is None or blk.is_null else st.blocks.get(blk.block_id)
         if b is None or b.unchecked or b.ref is None:
             if run:
                 yield first, run, min(tokens, i * size) - start
@@ -750,6 +767,19 @@ def _segments(st: _PoolState, blocks: list[Any], tokens: int, size: int) -> Iter
         run.append(b.ref)
     if run:
         yield first, run, tokens - start
+
+
+def _block_id_groups(ids: Any) -> list[list[int]] | None:
+    """A connector's block ids per KV cache group (``BlockIds``: one list
+    per group, or one flat list for a single group); ``None`` if absent or
+    not block ids."""
+    if not isinstance(ids, (list, tuple)):
+        return None
+    if all(isinstance(b, int) for b in ids):
+        return [list(ids)]
+    if all(isinstance(g, (list, tuple)) and all(isinstance(b, int) for b in g) for g in ids):
+        return [list(g) for g in ids]
+    return None
 
 
 def _unmodelled(manager: Any, pool: Any) -> str | None:
