@@ -242,3 +242,60 @@ def test_a_write_of_other_tokens_into_a_cached_block_is_reported(adapter: Any, f
     m.coordinator.single_type_managers[0].req_to_blocks["b"].append(cached)
     m.allocate_slots(b, 8)
     assert "foreign-write" in take(adapter, found)
+
+
+def hybrid_manager(num_blocks: int = 24, window: int = 32) -> KVCacheManager:
+    """A full-attention group and a sliding-window group on one pool, as
+    vLLM's hybrid models have (the window's skipped prefix becomes the
+    null block)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    init_none_hash(sha256)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["full"], full), KVCacheGroupSpec(["swa"], swa)],
+    )
+    return KVCacheManager(
+        config, max_model_len=8192, enable_caching=True, hash_block_size=BLOCK, scheduler_block_size=BLOCK
+    )
+
+
+def windowed_past_its_first_blocks(m: KVCacheManager) -> Request:
+    """A request computed far enough (five blocks, a window of two) that
+    its window group's first blocks are the null block."""
+    req = request("windowed", list(range(1, 5 * BLOCK + 1)))
+    schedule(m, req, 3 * BLOCK)
+    schedule(m, req, 2 * BLOCK - 1)
+    swa = m.coordinator.single_type_managers[1].req_to_blocks[req.request_id]
+    assert swa[0].is_null
+    return req
+
+
+def test_a_window_past_its_skipped_prefix_writes_no_null_block(adapter: Any, found: list[Any]) -> None:
+    m = hybrid_manager()
+    req = windowed_past_its_first_blocks(m)
+    schedule(m, req, 1)
+    finish(m, req)
+    assert take(adapter, found) == []
+
+
+def test_a_step_writing_positions_whose_block_is_null_is_caught(
+    adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A window that lets go of the block the step still writes (one token
+    # too many skipped): the step's KV for that position goes to vLLM's
+    # null block, the page every skipped or padded position names and that
+    # attention takes to hold zeros.
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", lambda self, n: n + 1 if n else 0)
+    m = hybrid_manager()
+    req = request("windowed", list(range(1, 5 * BLOCK + 1)))
+    schedule(m, req, 3 * BLOCK - 1)
+    schedule(m, req, 1)
+    kinds = take(adapter, found)
+    assert kinds == ["foreign-write"], found
+    assert "null block" in found[0].what and found[0].block == m.block_pool.null_block.block_id

@@ -55,6 +55,9 @@ What is checked, and what is not:
   attention) keep their blocks' allocation, sharing and freeing checked,
   but their blocks count as written whole when taken and their reads are
   not checked;
+* vLLM's null block is held by a holder of its own: a step computing
+  positions whose block (in any group of a checked pool) is the null
+  block writes into a page it does not own;
 * pools beyond this model are left alone and counted in
   :attr:`Adapter.unchecked_pools`: pools with Mamba groups (state blocks,
   copied on write and checkpointed), HiSparse pools, pools whose blocks are
@@ -124,6 +127,10 @@ class _PoolState:
         self.pages = pages
         self.page_slots = page_slots
         self.blocks: dict[int, _Block] = {}
+        # vLLM's null block (the one every skipped or padded position names),
+        # held in kvsan by a holder of its own that never writes it: a write
+        # by a request is a write into a page it does not own.
+        self.null: tuple[Owner, PageRef] | None = None
         # vLLM's request ids are unique within one engine, not across the
         # engines (or tests) of a process: kvsan owners are per pool.
         self.requests: dict[str, int] = {}
@@ -318,6 +325,13 @@ class Adapter(Hooks):
             pool, pages = self._kvsan_pool(block_pool.num_gpu_blocks, page_slots)
         self.checked_pools += 1
         st = _PoolState(pool, pages, page_slots)
+        null = getattr(block_pool, "null_block", None)
+        if null is not None:
+            holder = self._anonymous()
+            self._names[holder.request] = "vLLM's null block"
+            ref = pool.alloc(holder, null.block_id)
+            if ref.verdict.ok:
+                st.null = (holder, PageRef(ref.page, ref.generation))
         self._pools[block_pool] = st
         self._watch(block_pool, st)
         return st
@@ -332,6 +346,9 @@ class Adapter(Hooks):
                 st.pool.free(Owner(n, 0), b.ref)
             if b.cache_held:
                 st.pool.free(Owner(PREFIX_CACHE_REQUEST, 0), b.ref)
+        if st.null is not None:
+            st.pool.free(*st.null)
+            self._names.pop(st.null[0].request, None)
         for rid, reads in list(self._sending.items()):
             reads[:] = [r for r in reads if r[0] is not st]
             if not reads:
@@ -688,14 +705,25 @@ class Adapter(Hooks):
         hashes = getattr(request, "block_hashes", None) or []
         for m in managers:
             st = self._state(m.block_pool)
-            if st is None or not self._slot_exact(st, m):
+            if st is None:
                 continue
+            exact = self._slot_exact(st, m)
             owner = self._owner(st, rid)
             blocks = m.req_to_blocks.get(rid) or []
             size = m.block_size
             for i in range(start // size, min(len(blocks), -(-end // size))):
                 blk = blocks[i]
                 if blk.is_null:
+                    # The step computes positions whose block is the null
+                    # block (a window's skipped prefix, a table's padding):
+                    # their KV would land in the page every such position
+                    # names, in any kind of group.
+                    if st.null is not None:
+                        lo, hi = max(start, i * size) - i * size, min(end, (i + 1) * size) - i * size
+                        v = st.pool.write(owner, st.null[1], (0, 1) if st.page_slots < size else (lo, hi))
+                        self._note(v, "the step computes tokens into vLLM's null block", blk.block_id, owner.request)
+                    continue
+                if not exact:
                     continue
                 b = st.block(blk.block_id)
                 if b.unchecked or b.ref is None:
