@@ -562,19 +562,28 @@ fn a_salt_dropped_from_the_cached_pages_is_found_by_the_salt_assertions() {
 /// 256-token context, 72-token steps so long prompts are prefilled in
 /// chunks) with `fault` injected: the faults that move one request's KV
 /// into another's output are found, exit 1, as a probe whose greedy
-/// output changed with another request's canary or quoted it.
+/// output changed with another request's canary or quoted it. With
+/// `--fail-fast` the audit stops after the pattern that found it, and says
+/// so.
 #[cfg(feature = "faults")]
-fn kv_fault_is_found(name: &'static str, role: &str, fault: &str, serve: &[&str]) -> Value {
-    let mut args = vec!["--inject", fault];
-    args.extend_from_slice(serve);
-    let server = chunked_server(name, role, &args);
-    let (code, report, stderr) = audit_json_sized(
-        &server.listen(),
-        "360",
-        "1",
-        &["--phases", "noninterference", "--timeout", "90"],
-    );
+fn kv_fault_is_found(name: &'static str, fault: &str, fail_fast: bool) -> Value {
+    let server = chunked_server(name, "unified", &["--inject", fault]);
+    let mut audit_args = vec!["--phases", "noninterference", "--timeout", "90"];
+    if fail_fast {
+        audit_args.push("--fail-fast");
+    }
+    let (code, report, stderr) = audit_json_sized(&server.listen(), "360", "1", &audit_args);
     assert_eq!(code, Some(1), "{fault}: {report:#}\n{stderr}");
+    if fail_fast {
+        assert!(
+            report["notes"].as_array().unwrap().iter().any(|n| n
+                .as_str()
+                .unwrap()
+                .starts_with("stopped at the first finding")),
+            "{fault}: {report:#}"
+        );
+        assert_eq!(report["budget_spent"], false, "{report:#}");
+    }
     let found = rules(&report);
     assert!(
         found
@@ -589,7 +598,7 @@ fn kv_fault_is_found(name: &'static str, role: &str, fault: &str, serve: &[&str]
 #[cfg(feature = "faults")]
 #[test]
 fn skip_layer_write_is_found_by_the_noninterference_probes() {
-    kv_fault_is_found("audit-skip-layer-write", "unified", "skip-layer-write", &[]);
+    kv_fault_is_found("audit-skip-layer-write", "skip-layer-write", true);
 }
 
 /// A batch-array row kept from step to step (`stale-batch-array`): the
@@ -598,12 +607,7 @@ fn skip_layer_write_is_found_by_the_noninterference_probes() {
 #[cfg(feature = "faults")]
 #[test]
 fn stale_batch_array_is_found_side_by_side() {
-    let report = kv_fault_is_found(
-        "audit-stale-batch-array",
-        "unified",
-        "stale-batch-array",
-        &[],
-    );
+    let report = kv_fault_is_found("audit-stale-batch-array", "stale-batch-array", false);
     let findings = report["findings"].as_array().unwrap();
     assert!(
         findings
@@ -618,14 +622,13 @@ fn stale_batch_array_is_found_side_by_side() {
 fn cache_partial_page_shared_is_found_by_the_noninterference_probes() {
     kv_fault_is_found(
         "audit-cache-partial-page-shared",
-        "unified",
         "cache-partial-page-shared",
-        &[],
+        true,
     );
 }
 
 #[cfg(feature = "faults")]
 #[test]
 fn double_free_is_found_by_the_noninterference_probes() {
-    kv_fault_is_found("audit-double-free", "unified", "double-free", &[]);
+    kv_fault_is_found("audit-double-free", "double-free", false);
 }

@@ -45,6 +45,9 @@ pub enum Stop {
          (the last: {0}); later probes did not run"
     )]
     Unresponsive(String),
+    /// `--fail-fast`: a finding was made.
+    #[error("stopped at the first finding (--fail-fast); later probes did not run")]
+    FirstFinding,
 }
 
 /// Requests in a row without an answer (no status: refused connection,

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::client::Completion;
+use super::client::{Completion, Stop};
 use super::ks::Ks;
 
 /// A kind of finding: one SARIF rule each.
@@ -185,6 +185,24 @@ pub struct Found {
     pub salt: Vec<SaltArm>,
     pub findings: Vec<Finding>,
     pub notes: Vec<String>,
+    /// `--fail-fast`: [`Found::go_on`] stops the audit once a finding is made.
+    #[serde(skip)]
+    pub fail_fast: bool,
+}
+
+impl Found {
+    /// Whether the audit goes on to its next probe pattern: always, unless
+    /// `--fail-fast` was given and a finding has been made.
+    ///
+    /// # Errors
+    /// [`Stop::FirstFinding`] then.
+    pub fn go_on(&self) -> Result<(), Stop> {
+        if self.fail_fast && !self.findings.is_empty() {
+            Err(Stop::FirstFinding)
+        } else {
+            Ok(())
+        }
+    }
 }
 
 /// What one length of the sweep gave.
@@ -260,4 +278,40 @@ pub struct SaltArm {
     /// A hit was seen: by `cached_tokens`, or by time.
     pub hit: bool,
     pub verdict: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_finding(fail_fast: bool) -> Found {
+        let mut found = Found {
+            fail_fast,
+            ..Found::default()
+        };
+        found.findings.push(Finding {
+            rule: Rule::CanaryQuoted,
+            message: "a probe quoted a canary".into(),
+            evidence: serde_json::Value::Null,
+        });
+        found
+    }
+
+    #[test]
+    fn fail_fast_stops_once_a_finding_is_made_and_not_before() {
+        let clean = Found {
+            fail_fast: true,
+            ..Found::default()
+        };
+        assert!(clean.go_on().is_ok());
+        assert!(matches!(
+            with_finding(true).go_on(),
+            Err(Stop::FirstFinding)
+        ));
+    }
+
+    #[test]
+    fn without_fail_fast_a_finding_does_not_stop_the_audit() {
+        assert!(with_finding(false).go_on().is_ok());
+    }
 }

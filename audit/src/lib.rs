@@ -102,6 +102,10 @@ pub struct Args {
     /// Also write the findings as SARIF 2.1.0 to FILE.
     #[arg(long, value_name = "FILE")]
     pub sarif: Option<PathBuf>,
+    /// Stop at the first finding, between one probe pattern and the next,
+    /// instead of running every phase (the report says what did not run).
+    #[arg(long)]
+    pub fail_fast: bool,
     /// Seed of the made-up text and canaries (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -217,7 +221,10 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
             .map_or(0, |d| d.as_nanos() as u64)
     });
     let mut texts = Texts::new(seed);
-    let mut found = Found::default();
+    let mut found = Found {
+        fail_fast: args.fail_fast,
+        ..Found::default()
+    };
     let plan = Plan {
         context,
         pool: args.pool_limit,
@@ -285,17 +292,23 @@ async fn run_phases(
         // not computed (a pool smaller than the context) shows only there.
         let ctx = plan.context.unwrap_or(2048);
         sweep::coherence(client, keys.probe, ctx, found).await?;
+        found.go_on()?;
         sweep::length_sweep(client, keys, texts, ctx, found).await?;
+        found.go_on()?;
         probes::noninterference(client, keys, texts, plan.context, plan.pool, found).await?;
+        found.go_on()?;
     }
     if let (true, Some(ctx)) = (plan.phases.contains(&Phase::Limits), plan.context) {
         probes::limits(client, keys.victim, ctx, plan.pool, found).await?;
+        found.go_on()?;
     }
     if plan.phases.contains(&Phase::Timing) {
         probes::prefix_timing(client, keys, texts, plan.context, plan.samples, found).await?;
+        found.go_on()?;
     }
     if plan.phases.contains(&Phase::Order) {
         order::scheduling_order(client, keys, texts, plan.context, found).await?;
+        found.go_on()?;
     }
     if plan.phases.contains(&Phase::Salt) {
         salt::salt_assertions(

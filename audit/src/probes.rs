@@ -239,15 +239,21 @@ pub async fn noninterference(
             }
             found.noninterference_pairs += 1;
             judge(found, probe.name, shape, "sequential", &outs, deterministic);
+            found.go_on()?;
         }
     }
     let stable = concurrent(client, keys, texts, &probes, &shapes, found).await?;
+    found.go_on()?;
     for how in [Resend::RetriedAfterAbandon, Resend::TwiceAtOnce] {
         resent_after_victim(client, keys, texts, hold, how, found).await?;
+        found.go_on()?;
     }
     extended_while_answering(client, keys, texts, &probes[2], stable, found).await?;
+    found.go_on()?;
     side_by_side(client, keys, texts, hold, stable, found).await?;
+    found.go_on()?;
     abandoned_beside_answer(client, keys, texts, &probes[2], hold, stable, found).await?;
+    found.go_on()?;
     abandoned_then_taken(client, keys, texts, hold, stable, found).await
 }
 
