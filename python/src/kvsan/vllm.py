@@ -718,6 +718,8 @@ class Adapter(Hooks):
                     # block (a window's skipped prefix, a table's padding):
                     # their KV would land in the page every such position
                     # names, in any kind of group.
+                    # (A pool whose blocks outgrew kvsan's pages keeps each
+                    # block as one slot: then the write is that slot.)
                     if st.null is not None:
                         lo, hi = max(start, i * size) - i * size, min(end, (i + 1) * size) - i * size
                         v = st.pool.write(owner, st.null[1], (0, 1) if st.page_slots < size else (lo, hi))
