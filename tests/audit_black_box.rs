@@ -562,24 +562,43 @@ fn a_salt_dropped_from_the_cached_pages_is_found_by_the_salt_assertions() {
 /// 256-token context, 72-token steps so long prompts are prefilled in
 /// chunks) with `fault` injected: the faults that move one request's KV
 /// into another's output are found, exit 1, as a probe whose greedy
-/// output changed with another request's canary or quoted it. With
-/// `--fail-fast` the audit stops after the pattern that found it, and says
-/// so.
+/// output changed with another request's canary or quoted it. Each test
+/// runs the probe patterns (`--patterns`) that find its fault; the clean
+/// test above runs every pattern without one. With `--fail-fast` the audit
+/// stops after the pattern that found it, and says so.
 #[cfg(feature = "faults")]
-fn kv_fault_is_found(name: &'static str, fault: &str, fail_fast: bool) -> Value {
+fn kv_fault_is_found(name: &'static str, fault: &str, patterns: &str, fail_fast: bool) -> Value {
     let server = chunked_server(name, "unified", &["--inject", fault]);
-    let mut audit_args = vec!["--phases", "noninterference", "--timeout", "90"];
+    let mut audit_args = vec![
+        "--phases",
+        "noninterference",
+        "--patterns",
+        patterns,
+        "--timeout",
+        "90",
+    ];
     if fail_fast {
         audit_args.push("--fail-fast");
     }
     let (code, report, stderr) = audit_json_sized(&server.listen(), "360", "1", &audit_args);
     assert_eq!(code, Some(1), "{fault}: {report:#}\n{stderr}");
+    let notes: Vec<&str> = report["notes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("noninterference patterns not run (--patterns)")),
+        "{fault}: {report:#}"
+    );
     if fail_fast {
         assert!(
-            report["notes"].as_array().unwrap().iter().any(|n| n
-                .as_str()
-                .unwrap()
-                .starts_with("stopped at the first finding")),
+            notes
+                .iter()
+                .any(|n| n.starts_with("stopped at the first finding")),
             "{fault}: {report:#}"
         );
         assert_eq!(report["budget_spent"], false, "{report:#}");
@@ -595,10 +614,13 @@ fn kv_fault_is_found(name: &'static str, fault: &str, fail_fast: bool) -> Value 
     report
 }
 
+/// A long prefill chunk's KV store skips the last layer, which keeps the
+/// page's earlier owner's KV: a long prompt sent again after a victim
+/// (retried after it was abandoned, or twice at once) answers from it.
 #[cfg(feature = "faults")]
 #[test]
 fn skip_layer_write_is_found_by_the_noninterference_probes() {
-    kv_fault_is_found("audit-skip-layer-write", "skip-layer-write", true);
+    kv_fault_is_found("audit-skip-layer-write", "skip-layer-write", "resent", true);
 }
 
 /// A batch-array row kept from step to step (`stale-batch-array`): the
@@ -607,7 +629,12 @@ fn skip_layer_write_is_found_by_the_noninterference_probes() {
 #[cfg(feature = "faults")]
 #[test]
 fn stale_batch_array_is_found_side_by_side() {
-    let report = kv_fault_is_found("audit-stale-batch-array", "stale-batch-array", false);
+    let report = kv_fault_is_found(
+        "audit-stale-batch-array",
+        "stale-batch-array",
+        "side-by-side",
+        false,
+    );
     let findings = report["findings"].as_array().unwrap();
     assert!(
         findings
@@ -617,18 +644,25 @@ fn stale_batch_array_is_found_side_by_side() {
     );
 }
 
+/// A partial page shared through the prefix cache without a copy: a probe
+/// extending another prompt while that one is answered differs from its
+/// answer alone.
 #[cfg(feature = "faults")]
 #[test]
 fn cache_partial_page_shared_is_found_by_the_noninterference_probes() {
     kv_fault_is_found(
         "audit-cache-partial-page-shared",
         "cache-partial-page-shared",
+        "extended",
         true,
     );
 }
 
+/// A released sequence's tail page freed twice and handed out twice: a
+/// long prompt sent again after a victim answers from another request's
+/// KV.
 #[cfg(feature = "faults")]
 #[test]
 fn double_free_is_found_by_the_noninterference_probes() {
-    kv_fault_is_found("audit-double-free", "double-free", false);
+    kv_fault_is_found("audit-double-free", "double-free", "resent", true);
 }

@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use super::Pattern;
 use super::client::{Completion, Stop};
 use super::ks::Ks;
 
@@ -188,9 +189,18 @@ pub struct Found {
     /// `--fail-fast`: [`Found::go_on`] stops the audit once a finding is made.
     #[serde(skip)]
     pub fail_fast: bool,
+    /// The noninterference patterns `--patterns` leaves out.
+    #[serde(skip)]
+    pub patterns_left_out: Vec<Pattern>,
 }
 
 impl Found {
+    /// Whether the noninterference pattern `p` runs (every one unless
+    /// `--patterns` leaves it out).
+    pub fn runs(&self, p: Pattern) -> bool {
+        !self.patterns_left_out.contains(&p)
+    }
+
     /// Whether the audit goes on to its next probe pattern: always, unless
     /// `--fail-fast` was given and a finding has been made.
     ///

@@ -118,6 +118,63 @@ pub struct Args {
         default_values_t = Phase::ALL
     )]
     pub phases: Vec<Phase>,
+    /// The noninterference phase's probe patterns to run (default: every
+    /// one); to re-run the pattern that made a finding, or to look at one
+    /// fault. The report names those not run.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values_t = Pattern::ALL
+    )]
+    pub patterns: Vec<Pattern>,
+}
+
+/// A probe pattern of the noninterference phase, in the order they run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    /// A prompt repeating one sentence, at lengths over the whole context:
+    /// answered with the sentence when the whole prompt was computed.
+    Coherence,
+    /// Probes at lengths spread over the context, each after a victim.
+    LengthSweep,
+    /// Victims and probes one at a time.
+    Sequential,
+    /// Victims of every shape in flight beside the probes.
+    Concurrent,
+    /// A long prompt abandoned and retried, or sent twice at once, after a
+    /// victim.
+    Resent,
+    /// A probe extending another prompt while that one is answered.
+    Extended,
+    /// A probe taking the batch row a same-length victim has just left.
+    SideBySide,
+    /// A victim abandoned beside a long answer.
+    AbandonedBesideAnswer,
+    /// A victim abandoned, its pages then taken by a probe.
+    AbandonedThenTaken,
+}
+
+impl Pattern {
+    const ALL: [Pattern; 9] = [
+        Pattern::Coherence,
+        Pattern::LengthSweep,
+        Pattern::Sequential,
+        Pattern::Concurrent,
+        Pattern::Resent,
+        Pattern::Extended,
+        Pattern::SideBySide,
+        Pattern::AbandonedBesideAnswer,
+        Pattern::AbandonedThenTaken,
+    ];
+
+    /// The patterns `chosen` leaves out.
+    fn left_out(chosen: &[Pattern]) -> Vec<Pattern> {
+        Pattern::ALL
+            .into_iter()
+            .filter(|p| !chosen.contains(p))
+            .collect()
+    }
 }
 
 /// A phase of the audit after the determinism phase.
@@ -223,6 +280,7 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
     let mut texts = Texts::new(seed);
     let mut found = Found {
         fail_fast: args.fail_fast,
+        patterns_left_out: Pattern::left_out(&args.patterns),
         ..Found::default()
     };
     let plan = Plan {
@@ -239,15 +297,17 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
     if let Err(stop) = phases {
         found.notes.push(stop.to_string());
     }
-    let skipped: Vec<String> = Phase::ALL
-        .iter()
-        .filter(|p| !args.phases.contains(p))
-        .filter_map(|p| clap::ValueEnum::to_possible_value(p).map(|v| v.get_name().to_string()))
-        .collect();
+    let skipped = not_chosen(&Phase::ALL, &args.phases);
     if !skipped.is_empty() {
         found
             .notes
-            .push(format!("phases not run (--phases): {}", skipped.join(", ")));
+            .push(format!("phases not run (--phases): {skipped}"));
+    }
+    let left_out = not_chosen(&Pattern::ALL, &args.patterns);
+    if !left_out.is_empty() && args.phases.contains(&Phase::Noninterference) {
+        found.notes.push(format!(
+            "noninterference patterns not run (--patterns): {left_out}"
+        ));
     }
     if context.is_none() && args.phases.contains(&Phase::Limits) {
         found.notes.push(
@@ -267,6 +327,15 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
         cross_tenant: args.other_api_key.is_some(),
         found,
     })
+}
+
+/// The names of the values in `all` that `chosen` leaves out, in order.
+fn not_chosen<T: clap::ValueEnum + PartialEq>(all: &[T], chosen: &[T]) -> String {
+    all.iter()
+        .filter(|v| !chosen.contains(v))
+        .filter_map(|v| v.to_possible_value().map(|n| n.get_name().to_string()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// What the phases are given.
@@ -291,10 +360,14 @@ async fn run_phases(
         // Every length the server may accept, first: a prompt served but
         // not computed (a pool smaller than the context) shows only there.
         let ctx = plan.context.unwrap_or(2048);
-        sweep::coherence(client, keys.probe, ctx, found).await?;
-        found.go_on()?;
-        sweep::length_sweep(client, keys, texts, ctx, found).await?;
-        found.go_on()?;
+        if found.runs(Pattern::Coherence) {
+            sweep::coherence(client, keys.probe, ctx, found).await?;
+            found.go_on()?;
+        }
+        if found.runs(Pattern::LengthSweep) {
+            sweep::length_sweep(client, keys, texts, ctx, found).await?;
+            found.go_on()?;
+        }
         probes::noninterference(client, keys, texts, plan.context, plan.pool, found).await?;
         found.go_on()?;
     }
@@ -323,4 +396,51 @@ async fn run_phases(
         .await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{Args, Found, Pattern, not_chosen};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
+        let mut argv = vec!["audit", "--base-url", "http://127.0.0.1:1"];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv).map(|c| c.args)
+    }
+
+    #[test]
+    fn every_pattern_runs_unless_patterns_names_some() {
+        let all = parse(&[]).unwrap();
+        assert_eq!(all.patterns, Pattern::ALL);
+        assert!(Pattern::ALL.iter().all(|&p| Found::default().runs(p)));
+
+        let some = parse(&["--patterns", "side-by-side,resent"]).unwrap();
+        assert_eq!(some.patterns, [Pattern::SideBySide, Pattern::Resent]);
+        let found = Found {
+            patterns_left_out: Pattern::left_out(&some.patterns),
+            ..Found::default()
+        };
+        assert!(found.runs(Pattern::SideBySide) && found.runs(Pattern::Resent));
+        assert!(!found.runs(Pattern::Sequential) && !found.runs(Pattern::Coherence));
+        assert_eq!(
+            not_chosen(&Pattern::ALL, &some.patterns),
+            "coherence, length-sweep, sequential, concurrent, extended, \
+             abandoned-beside-answer, abandoned-then-taken"
+        );
+    }
+
+    #[test]
+    fn an_unknown_pattern_is_refused_with_the_ones_there_are() {
+        let err = parse(&["--patterns", "sideways"]).unwrap_err().to_string();
+        assert!(err.contains("sideways"), "{err}");
+        assert!(err.contains("side-by-side"), "{err}");
+    }
 }

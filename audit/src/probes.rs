@@ -7,6 +7,7 @@ use std::time::Duration;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::Pattern;
 use super::client::{Client, Completion, FirstToken, Stop};
 use super::found::{Determinism, Finding, Found, LimitProbe, Rule, Timing};
 use super::ks::{self, Ks};
@@ -224,37 +225,57 @@ pub async fn noninterference(
     ];
     // Victims and probes one at a time.
     let deterministic = found.determinism.deterministic_one_at_a_time;
-    for probe in &probes {
-        for (shape, tokens) in shapes {
-            let mut outs: Vec<(String, Completion)> = Vec::new();
-            for _ in 0..CANARIES {
-                let canary = texts.canary();
-                victim(client, keys, &canary, shape, tokens, found).await?;
-                let o = ok_or_stop(
-                    client
-                        .complete(keys.probe, &probe.prompt, probe.max_tokens)
-                        .await,
-                )?;
-                outs.push((canary, o));
+    if found.runs(Pattern::Sequential) {
+        for probe in &probes {
+            for (shape, tokens) in shapes {
+                let mut outs: Vec<(String, Completion)> = Vec::new();
+                for _ in 0..CANARIES {
+                    let canary = texts.canary();
+                    victim(client, keys, &canary, shape, tokens, found).await?;
+                    let o = ok_or_stop(
+                        client
+                            .complete(keys.probe, &probe.prompt, probe.max_tokens)
+                            .await,
+                    )?;
+                    outs.push((canary, o));
+                }
+                found.noninterference_pairs += 1;
+                judge(found, probe.name, shape, "sequential", &outs, deterministic);
+                found.go_on()?;
             }
-            found.noninterference_pairs += 1;
-            judge(found, probe.name, shape, "sequential", &outs, deterministic);
+        }
+    }
+    // Without the concurrent pattern's control rounds, the determinism
+    // phase's verdict under load says whether outputs may be compared.
+    let stable = if found.runs(Pattern::Concurrent) {
+        let stable = concurrent(client, keys, texts, &probes, &shapes, found).await?;
+        found.go_on()?;
+        stable
+    } else {
+        found.determinism.deterministic
+    };
+    if found.runs(Pattern::Resent) {
+        for how in [Resend::RetriedAfterAbandon, Resend::TwiceAtOnce] {
+            resent_after_victim(client, keys, texts, hold, how, found).await?;
             found.go_on()?;
         }
     }
-    let stable = concurrent(client, keys, texts, &probes, &shapes, found).await?;
-    found.go_on()?;
-    for how in [Resend::RetriedAfterAbandon, Resend::TwiceAtOnce] {
-        resent_after_victim(client, keys, texts, hold, how, found).await?;
+    if found.runs(Pattern::Extended) {
+        extended_while_answering(client, keys, texts, &probes[2], stable, found).await?;
         found.go_on()?;
     }
-    extended_while_answering(client, keys, texts, &probes[2], stable, found).await?;
-    found.go_on()?;
-    side_by_side(client, keys, texts, hold, stable, found).await?;
-    found.go_on()?;
-    abandoned_beside_answer(client, keys, texts, &probes[2], hold, stable, found).await?;
-    found.go_on()?;
-    abandoned_then_taken(client, keys, texts, hold, stable, found).await
+    if found.runs(Pattern::SideBySide) {
+        side_by_side(client, keys, texts, hold, stable, found).await?;
+        found.go_on()?;
+    }
+    if found.runs(Pattern::AbandonedBesideAnswer) {
+        abandoned_beside_answer(client, keys, texts, &probes[2], hold, stable, found).await?;
+        found.go_on()?;
+    }
+    if found.runs(Pattern::AbandonedThenTaken) {
+        abandoned_then_taken(client, keys, texts, hold, stable, found).await?;
+    }
+    Ok(())
 }
 
 /// One victim request carrying `canary`, `tokens` long: the time it took.
