@@ -167,14 +167,6 @@ impl Pattern {
         Pattern::AbandonedBesideAnswer,
         Pattern::AbandonedThenTaken,
     ];
-
-    /// The patterns `chosen` leaves out.
-    fn left_out(chosen: &[Pattern]) -> Vec<Pattern> {
-        Pattern::ALL
-            .into_iter()
-            .filter(|p| !chosen.contains(p))
-            .collect()
-    }
 }
 
 /// A phase of the audit after the determinism phase.
@@ -280,7 +272,7 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
     let mut texts = Texts::new(seed);
     let mut found = Found {
         fail_fast: args.fail_fast,
-        patterns_left_out: Pattern::left_out(&args.patterns),
+        patterns_left_out: left_out(&Pattern::ALL, &args.patterns),
         ..Found::default()
     };
     let plan = Plan {
@@ -297,17 +289,18 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
     if let Err(stop) = phases {
         found.notes.push(stop.to_string());
     }
-    let skipped = not_chosen(&Phase::ALL, &args.phases);
+    let skipped = left_out(&Phase::ALL, &args.phases);
     if !skipped.is_empty() {
         found
             .notes
-            .push(format!("phases not run (--phases): {skipped}"));
+            .push(format!("phases not run (--phases): {}", names(&skipped)));
     }
-    let left_out = not_chosen(&Pattern::ALL, &args.patterns);
-    if !left_out.is_empty() && args.phases.contains(&Phase::Noninterference) {
-        found.notes.push(format!(
-            "noninterference patterns not run (--patterns): {left_out}"
-        ));
+    if !found.patterns_left_out.is_empty() && args.phases.contains(&Phase::Noninterference) {
+        let note = format!(
+            "noninterference patterns not run (--patterns): {}",
+            names(&found.patterns_left_out)
+        );
+        found.notes.push(note);
     }
     if context.is_none() && args.phases.contains(&Phase::Limits) {
         found.notes.push(
@@ -329,10 +322,18 @@ async fn audit(args: &Args) -> anyhow::Result<Report> {
     })
 }
 
-/// The names of the values in `all` that `chosen` leaves out, in order.
-fn not_chosen<T: clap::ValueEnum + PartialEq>(all: &[T], chosen: &[T]) -> String {
+/// The values of `all` that `chosen` leaves out, in order.
+fn left_out<T: Copy + PartialEq>(all: &[T], chosen: &[T]) -> Vec<T> {
     all.iter()
+        .copied()
         .filter(|v| !chosen.contains(v))
+        .collect()
+}
+
+/// The command-line names of `values`, comma-separated.
+fn names<T: clap::ValueEnum>(values: &[T]) -> String {
+    values
+        .iter()
         .filter_map(|v| v.to_possible_value().map(|n| n.get_name().to_string()))
         .collect::<Vec<_>>()
         .join(", ")
@@ -402,7 +403,7 @@ async fn run_phases(
 mod tests {
     use clap::Parser;
 
-    use super::{Args, Found, Pattern, not_chosen};
+    use super::{Args, Found, Pattern, left_out, names};
 
     #[derive(Parser)]
     struct Cli {
@@ -425,13 +426,13 @@ mod tests {
         let some = parse(&["--patterns", "side-by-side,resent"]).unwrap();
         assert_eq!(some.patterns, [Pattern::SideBySide, Pattern::Resent]);
         let found = Found {
-            patterns_left_out: Pattern::left_out(&some.patterns),
+            patterns_left_out: left_out(&Pattern::ALL, &some.patterns),
             ..Found::default()
         };
         assert!(found.runs(Pattern::SideBySide) && found.runs(Pattern::Resent));
         assert!(!found.runs(Pattern::Sequential) && !found.runs(Pattern::Coherence));
         assert_eq!(
-            not_chosen(&Pattern::ALL, &some.patterns),
+            names(&found.patterns_left_out),
             "coherence, length-sweep, sequential, concurrent, extended, \
              abandoned-beside-answer, abandoned-then-taken"
         );

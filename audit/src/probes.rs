@@ -223,27 +223,8 @@ pub async fn noninterference(
         ("long victim", hold * 3 / 5),
         ("near-limit victim", hold * 9 / 10),
     ];
-    // Victims and probes one at a time.
-    let deterministic = found.determinism.deterministic_one_at_a_time;
     if found.runs(Pattern::Sequential) {
-        for probe in &probes {
-            for (shape, tokens) in shapes {
-                let mut outs: Vec<(String, Completion)> = Vec::new();
-                for _ in 0..CANARIES {
-                    let canary = texts.canary();
-                    victim(client, keys, &canary, shape, tokens, found).await?;
-                    let o = ok_or_stop(
-                        client
-                            .complete(keys.probe, &probe.prompt, probe.max_tokens)
-                            .await,
-                    )?;
-                    outs.push((canary, o));
-                }
-                found.noninterference_pairs += 1;
-                judge(found, probe.name, shape, "sequential", &outs, deterministic);
-                found.go_on()?;
-            }
-        }
+        sequential(client, keys, texts, &probes, &shapes, found).await?;
     }
     // Without the concurrent pattern's control rounds, the determinism
     // phase's verdict under load says whether outputs may be compared.
@@ -299,6 +280,38 @@ async fn victim(
             .push(format!("{shape}: the victim request got {}", v.status));
     }
     Ok(start.elapsed())
+}
+
+/// Victims and probes one at a time: each probe after a victim of each
+/// shape, with a new canary each time.
+async fn sequential(
+    client: &Client,
+    keys: &Keys<'_>,
+    texts: &mut Texts,
+    probes: &[Probe; 4],
+    shapes: &[(&str, usize); 3],
+    found: &mut Found,
+) -> Result<(), Stop> {
+    let deterministic = found.determinism.deterministic_one_at_a_time;
+    for probe in probes {
+        for &(shape, tokens) in shapes {
+            let mut outs: Vec<(String, Completion)> = Vec::new();
+            for _ in 0..CANARIES {
+                let canary = texts.canary();
+                victim(client, keys, &canary, shape, tokens, found).await?;
+                let o = ok_or_stop(
+                    client
+                        .complete(keys.probe, &probe.prompt, probe.max_tokens)
+                        .await,
+                )?;
+                outs.push((canary, o));
+            }
+            found.noninterference_pairs += 1;
+            judge(found, probe.name, shape, "sequential", &outs, deterministic);
+            found.go_on()?;
+        }
+    }
+    Ok(())
 }
 
 /// Victims of every shape and two probes in flight together: the
