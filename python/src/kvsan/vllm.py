@@ -33,6 +33,11 @@ the free (a remote reader)                  the reader (``remote_block_ids``,
 the worker's ``finished_sending``           ``read`` of those blocks by the
                                             request
 ``KVCacheManager.free`` of a finished one   ``finished`` (``page-leak``)
+the model runner's step                     the KV store's ``slot_mapping``
+(``GPUModelRunner._build_attention_metadata``, checked as its rows' writes
+linked by :meth:`Adapter.watch_runner`)     (padding: a holder of nothing),
+                                            then the block table rows up to
+                                            ``seq_lens`` as their reads
 ==========================================  ==================================
 
 A request recomputing tokens into a block the prefix cache holds, under
@@ -84,7 +89,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ._abi import PREFIX_CACHE_REQUEST, Owner, PageRef
-from ._hooks import Finding, Hooks, subclasses
+from ._hooks import Finding, Hooks, host_array, subclasses
 from .sanitizer import KvsanError, Pool, Sanitizer, attach as attach_sanitizer
 
 __all__ = ["Adapter", "Finding", "attach"]
@@ -134,6 +139,10 @@ class _PoolState:
         # vLLM's request ids are unique within one engine, not across the
         # engines (or tests) of a process: kvsan owners are per pool.
         self.requests: dict[str, int] = {}
+        # The worker's batch rows of requests the scheduler no longer has,
+        # and the holder of a step's padding tokens: holders of nothing.
+        self.strangers: dict[str, Owner] = {}
+        self.padding: Owner | None = None
 
     def block(self, block_id: int) -> _Block:
         b = self.blocks.get(block_id)
@@ -186,6 +195,14 @@ class Adapter(Hooks):
         #: vLLM pools checked, and those left unchecked by the reason.
         self.checked_pools = 0
         self.unchecked_pools: dict[str, int] = {}
+        # The worker side: model runners whose steps are checked, each with
+        # the scheduler that hands it its steps (weakly).
+        self._runners: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+        self._build_metadata: inspect.Signature | None = None
+        #: Worker steps whose attention buffers were checked, and steps
+        #: left unchecked by the reason.
+        self.checked_steps = 0
+        self.unchecked_steps: dict[str, int] = {}
 
     # ---- attaching ----------------------------------------------------------
 
@@ -228,7 +245,22 @@ class Adapter(Hooks):
                     self._wrap(cls, name, self._in_request)
                 if name == "pop_blocks_for_free":
                     self._wrap(cls, name, self._on_pop_for_free)
+        try:
+            from vllm.v1.worker import gpu_model_runner as gmr
+        except ImportError:  # a vLLM build without the GPU model runner
+            return self
+        self._wrap(gmr.GPUModelRunner, "_build_attention_metadata", self._on_attention_metadata)
+        self._build_metadata = inspect.signature(vars(gmr.GPUModelRunner)["_build_attention_metadata"].__wrapped__)
         return self
+
+    def watch_runner(self, runner: Any, scheduler: Any) -> None:
+        """Checks the steps ``runner`` (vLLM's ``GPUModelRunner``, or a
+        subclass such as ``CPUModelRunner``) prepares for attention against
+        the blocks ``scheduler`` handed out: the model runner is the
+        worker, in this process, of that scheduler's engine. Each step's
+        buffers are checked as the attention and KV store kernels take
+        them (see :meth:`check_runner_step`)."""
+        self._runners[runner] = weakref.ref(scheduler)
 
     # ---- context: which request a pool call is for ---------------------------
 
@@ -778,6 +810,143 @@ class Adapter(Hooks):
                 if n is not None:
                     self._names.pop(n, None)
         return out
+
+
+    # ---- the worker: what attention and the KV store kernels take -------------
+
+    def _on_attention_metadata(self, original: Callable[..., Any], runner: Any, *a: Any, **kw: Any) -> Any:
+        out = original(runner, *a, **kw)
+        assert self._build_metadata is not None
+        args = self._build_metadata.bind(runner, *a, **kw).arguments
+        if args.get("for_cudagraph_capture"):
+            return out  # a capture's dummy batch, no request's
+        ref = self._runners.get(runner)
+        scheduler = ref() if ref is not None else None
+        if scheduler is None:
+            self._skip_step("model runners not linked to a scheduler (Adapter.watch_runner)")
+            return out
+        if args.get("ubatch_slices") is not None:
+            self._skip_step("micro-batched steps (ubatch_slices)")
+            return out
+        self.check_runner_step(
+            runner,
+            scheduler,
+            args["num_reqs"],
+            args.get("num_reqs_padded") or args["num_reqs"],
+            args.get("slot_mappings") or {},
+        )
+        return out
+
+    def check_runner_step(
+        self, runner: Any, scheduler: Any, num_reqs: int, num_reqs_padded: int, slot_mappings: dict[int, Any]
+    ) -> None:
+        """Checks one step of ``runner`` as its kernels take it, for each KV
+        cache group on a checked pool: the group's ``slot_mapping`` (the KV
+        store kernel's, −1 for padding) as each row's request's writes —
+        tokens past the last row are padding, stored by no request, so a
+        slot there other than −1 writes a page its holder did not give —
+        and, for full-attention groups, each row of the block table up to
+        its ``seq_lens`` as its request's read. Row ``r`` is the request
+        ``input_batch.req_ids[r]``. :meth:`attach` calls this from
+        ``GPUModelRunner._build_attention_metadata``, once the buffers the
+        metadata builders got are final."""
+        import numpy as np
+
+        from vllm.v1.worker.block_table import SlotMappingMode
+
+        with self._lock:
+            managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+            req_ids = list(runner.input_batch.req_ids[:num_reqs])
+            starts = host_array(runner.query_start_loc.cpu[: num_reqs + 1]).astype(np.int32)
+            positions = host_array(runner.positions[: int(starts[-1])]).astype(np.int64)
+            checked = False
+            for gid, m in enumerate(managers):
+                st = self._state(m.block_pool)
+                if st is None:
+                    continue
+                table = runner.input_batch.block_table[gid]
+                if table.slot_mapping_mode != SlotMappingMode.TOKEN_TO_KV_SLOT:
+                    continue
+                if table.block_size != m.block_size or m.block_size != st.page_slots:
+                    self._skip_step("groups whose worker block size is not the pool's")
+                    continue
+                owners = [self._row_owner(st, rid) for rid in req_ids]
+                pad = self._padding(st)
+                mapping = slot_mappings.get(gid)
+                if mapping is not None:
+                    slots = host_array(mapping).astype(np.int64).copy()
+                    self._spare_cached_rewrites(st, m, scheduler, req_ids, starts, positions, slots)
+                    rows, offsets = owners, starts
+                    if len(slots) > starts[-1]:
+                        rows, offsets = owners + [pad], np.append(starts, len(slots)).astype(np.int32)
+                    verdicts = st.pool.check_slot_mapping(rows, offsets, slots)
+                    for r, v in enumerate(verdicts):
+                        who = req_ids[r] if r < num_reqs else "the step's padding tokens"
+                        self._note(v, f"the KV store writes slot_mapping row {r} (group {gid})", None, None, who)
+                if self._slot_exact(st, m):
+                    blocks = host_array(table.get_device_tensor(num_reqs_padded)).astype(np.int32)
+                    lens = host_array(runner.seq_lens[:num_reqs_padded]).astype(np.int32)
+                    rows = owners + [pad] * (num_reqs_padded - num_reqs)
+                    verdicts = st.pool.check_block_table(rows, blocks, blocks.shape[1], lens)
+                    for r, v in enumerate(verdicts):
+                        who = req_ids[r] if r < num_reqs else "a padding row"
+                        self._note(v, f"attention reads block table row {r} (group {gid})", None, None, who)
+                checked = True
+            if checked:
+                self.checked_steps += 1
+
+    def _row_owner(self, st: _PoolState, rid: str) -> Owner:
+        """The request of a batch row: the scheduler's, else (a row of a
+        request the scheduler no longer has) one that holds nothing."""
+        n = st.requests.get(rid)
+        if n is not None:
+            return Owner(n, self._tenants.get(rid, 0))
+        stranger = st.strangers.get(rid)
+        if stranger is None:
+            stranger = st.strangers[rid] = self._anonymous()
+            self._names[stranger.request] = f"{rid} (not scheduled)"
+        return stranger
+
+    def _padding(self, st: _PoolState) -> Owner:
+        if st.padding is None:
+            st.padding = self._anonymous()
+            self._names[st.padding.request] = "the step's padding"
+        return st.padding
+
+    def _spare_cached_rewrites(
+        self, st: _PoolState, m: Any, scheduler: Any, req_ids: list[str], starts: Any, positions: Any, slots: Any
+    ) -> None:
+        """Leaves out of ``slots`` a request's recomputation of tokens into
+        a block the prefix cache holds under that block's own hash (see the
+        module's doc), unless strict."""
+        if self.strict_cached_rewrites:
+            return
+        size = m.block_size
+        every = m.block_pool.blocks
+        for r, rid in enumerate(req_ids):
+            request = scheduler.requests.get(rid)
+            hashes = getattr(request, "block_hashes", None) or []
+            table = m.req_to_blocks.get(rid) or []
+            for t in range(int(starts[r]), int(starts[r + 1])):
+                s = int(slots[t])
+                if s < 0:
+                    continue
+                block, i = s // size, int(positions[t]) // size
+                b = st.blocks.get(block)
+                if b is None or not b.cache_held or not 0 <= block < len(every):
+                    continue
+                key = every[block].block_hash
+                if (
+                    key is not None
+                    and i < len(hashes)
+                    and i < len(table)
+                    and table[i].block_id == block
+                    and _hash_of(key) == hashes[i]
+                ):
+                    slots[t] = -1
+
+    def _skip_step(self, reason: str) -> None:
+        self.unchecked_steps[reason] = self.unchecked_steps.get(reason, 0) + 1
 
 
 def _segments(st: _PoolState, blocks: list[Any], tokens: int, size: int) -> Iterator[tuple[int, list[PageRef], int]]:

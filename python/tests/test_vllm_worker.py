@@ -1,0 +1,375 @@
+"""kvsan.vllm at vLLM's worker: the slot mappings and block tables vLLM's
+model runner hands its KV store and attention kernels, checked as the
+kernels take them.
+
+vLLM's ``GPUModelRunner`` (the V1 runner; ``CPUModelRunner`` is one) is
+driven on the CPU with a real scheduler: each step the scheduler makes
+goes through the runner's own input preparation, in ``execute_model``'s
+order (``_update_states``, ``_prepare_inputs`` with vLLM's Triton
+slot-mapping kernel, ``_get_slot_mappings``,
+``_build_attention_metadata``), and the worker's report goes back to the
+scheduler. The model's forward is not run: vLLM's CUDA wheel has no CPU
+attention kernels. Triton runs the slot-mapping kernel in its interpreter
+(``TRITON_INTERPRET=1``; ``CUDA_VISIBLE_DEVICES=`` keeps vLLM from
+replacing Triton when it sees no GPU driver), so the slot mapping checked
+is the one vLLM's kernel wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from typing import Any, Iterator
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+if not os.environ.get("VLLM_SRC"):
+    pytest.skip("needs vLLM's test helpers: VLLM_SRC (bash scripts/vllm-tests setup)", allow_module_level=True)
+sys.path.insert(0, os.environ["VLLM_SRC"])
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tests.v1.core.utils import create_requests, create_scheduler  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
+from vllm.distributed.parallel_state import (  # noqa: E402
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.worker import block_table as vllm_block_table  # noqa: E402
+from vllm.v1.worker.gpu_input_batch import InputBatch  # noqa: E402
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+
+import kvsan.vllm  # noqa: E402
+
+BLOCK = 32
+BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def distributed() -> Iterator[None]:
+    """One-process gloo group, as vLLM's ``dist_init`` fixture makes."""
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    scheduler = create_scheduler(num_blocks=BLOCKS, block_size=BLOCK)
+    with set_current_vllm_config(scheduler.vllm_config):
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"file://{path}", local_rank=0, backend="gloo"
+        )
+        initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        cleanup_dist_env_and_memory()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@pytest.fixture(autouse=True)
+def metadata_passed_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU attention backend builds its metadata with vLLM's CPU
+    kernels, which vLLM's CUDA wheel lacks: its builder hands the common
+    metadata (the buffers checked) through instead."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    monkeypatch.setattr(CPUAttentionMetadataBuilder, "build", lambda self, prefix, common, *a, **kw: common)
+
+
+@pytest.fixture
+def adapter() -> Iterator[kvsan.vllm.Adapter]:
+    a = kvsan.vllm.attach()
+    a.take_violations()
+    yield a
+    a.detach()
+
+
+class Engine:
+    """A vLLM scheduler and a model runner on the CPU for its steps."""
+
+    def __init__(self, adapter: kvsan.vllm.Adapter, prefix_caching: bool = False, batched_tokens: int = 8192):
+        self.scheduler = create_scheduler(
+            num_blocks=BLOCKS,
+            block_size=BLOCK,
+            enable_prefix_caching=prefix_caching,
+            max_num_batched_tokens=batched_tokens,
+            max_model_len=BLOCKS * BLOCK,
+            use_v2_model_runner=False,
+        )
+        config = self.scheduler.vllm_config
+        with set_current_vllm_config(config):
+            model = config.model_config
+            heads = model.get_num_kv_heads(config.parallel_config)
+            config.compilation_config.static_forward_context["layer"] = Attention(heads, model.get_head_size(), 0.1)
+            self.runner = GPUModelRunner(config, torch.device("cpu"))
+            spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=model.get_head_size(), dtype=self.runner.kv_cache_dtype)
+            size = spec.page_size_bytes * BLOCKS
+            kv = KVCacheConfig(
+                num_blocks=BLOCKS,
+                kv_cache_tensors=[KVCacheTensor(size=size, layers=["layer"], layer_stride=size, block_stride=spec.page_size_bytes)],
+                kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer"], kv_cache_spec=spec)],
+            )
+            self.runner.kv_cache_config = kv
+            self.runner.input_batch = InputBatch(
+                max_num_reqs=self.runner.max_num_reqs,
+                max_model_len=self.runner.max_model_len,
+                max_num_batched_tokens=self.runner.max_num_tokens,
+                device=self.runner.device,
+                vocab_size=model.get_vocab_size(),
+                block_sizes=[BLOCK],
+                max_num_blocks_per_req=[BLOCKS],
+            )
+            self.runner.initialize_attn_backend(kv)
+            self.runner.initialize_metadata_builders(kv, [BLOCK])
+        adapter.watch_runner(self.runner, self.scheduler)
+
+    def add(self, requests: list[Any]) -> None:
+        for r in requests:
+            self.scheduler.add_request(r)
+
+    def step(self, pad_to: int | None = None) -> Any:
+        """One step: scheduled, prepared by the runner as ``execute_model``
+        prepares it, and reported back (each request that finished its
+        prompt samples token 0)."""
+        out = self.scheduler.schedule()
+        runner = self.runner
+        with set_current_vllm_config(self.scheduler.vllm_config):
+            runner._update_states(out)
+            n = out.total_num_scheduled_tokens
+            if n:
+                num_reqs = runner.input_batch.num_reqs
+                ids = runner.input_batch.req_ids
+                tokens = np.array([out.num_scheduled_tokens[i] for i in ids], dtype=np.int32)
+                runner._prepare_inputs(out, tokens)
+                padded = pad_to or n
+                by_group, _ = runner._get_slot_mappings(
+                    num_tokens_padded=padded, num_reqs_padded=num_reqs, num_tokens_unpadded=n
+                )
+                runner._build_attention_metadata(
+                    num_tokens=n,
+                    num_reqs=num_reqs,
+                    max_query_len=int(tokens.max()),
+                    num_scheduled_tokens=out.num_scheduled_tokens,
+                    slot_mappings=by_group,
+                )
+        report = self._report(out)
+        self.scheduler.update_from_output(out, report)
+        return out
+
+    def _report(self, out: Any) -> ModelRunnerOutput:
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            r = self.scheduler.requests[rid]
+            sampled.append([0] if r.num_computed_tokens >= r.num_prompt_tokens else [])
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+        )
+
+
+def kinds(adapter: kvsan.vllm.Adapter) -> list[str]:
+    return sorted({f.kind for f in adapter.take_violations()})
+
+
+def test_steps_of_a_batch_are_checked_and_clean(distributed: None, adapter: Any) -> None:
+    engine = Engine(adapter)
+    engine.add(create_requests(3, num_tokens=40, max_tokens=4, block_size=BLOCK))
+    for _ in range(6):
+        engine.step()
+    assert adapter.checked_steps == 4  # the prompt, then three decodes
+    assert adapter.unchecked_steps == {}
+    assert kinds(adapter) == []
+
+
+def requests(*spec: tuple[str, int, int], prompts: dict[str, list[int]] | None = None) -> list[Any]:
+    """Requests ``(id, prompt tokens, tokens to generate)``: each prompt its
+    own tokens, or the one ``prompts`` gives."""
+    out = []
+    for i, (rid, prompt, generate) in enumerate(spec):
+        (like,) = create_requests(1, num_tokens=prompt, max_tokens=generate, block_size=BLOCK)
+        tokens = (prompts or {}).get(rid) or [100 * (i + 1) + t % 50 for t in range(prompt)]
+        out.append(
+            Request(
+                request_id=rid,
+                prompt_token_ids=tokens,
+                sampling_params=like.sampling_params,
+                pooling_params=None,
+                block_hasher=get_request_block_hasher(BLOCK, sha256),
+            )
+        )
+    return out
+
+
+def finish_first_then_decode(engine: Engine) -> None:
+    """A finishes with its prompt's step; the next step removes its row and
+    condenses the batch: C, the last row, moves into A's."""
+    engine.add(requests(("A", 40, 1), ("B", 70, 4), ("C", 50, 4)))
+    engine.step()
+    assert engine.runner.input_batch.req_id_to_index["C"] == 2
+    engine.step()
+    assert "A" not in engine.scheduler.requests
+    assert engine.runner.input_batch.req_id_to_index["C"] == 0
+    engine.step()
+
+
+def test_a_condensed_batch_is_clean(distributed: None, adapter: Any) -> None:
+    engine = Engine(adapter)
+    finish_first_then_decode(engine)
+    assert adapter.checked_steps == 3
+    assert kinds(adapter) == []
+
+
+def test_a_row_condense_leaves_in_place_is_caught(distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The class: the input batch moves a request into a vacated row but
+    # the block table row is not moved with it, so the row still lists the
+    # blocks of the request that left (vLLM's move_row now clears the
+    # vacated row for this reason: a stale row was read as a live one).
+    tables = vllm_block_table.MultiGroupBlockTable
+    monkeypatch.setattr(tables, "move_row", lambda self, src, tgt: None)
+    monkeypatch.setattr(tables, "clear_row", lambda self, row: None)
+    engine = Engine(adapter)
+    finish_first_then_decode(engine)
+    found = adapter.take_violations()
+    # C's decode token is stored in, and C's attention reads, A's freed
+    # block: nothing the scheduler gave C.
+    assert {f.request for f in found} == {"C"}
+    assert {f.kind for f in found} == {"write-after-free", "read-free-page"}
+    assert any("slot_mapping" in f.what for f in found)
+    assert any("block table" in f.what for f in found)
+
+
+def test_a_slot_mapping_from_another_row_is_caught(distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The class: the slot-mapping kernel runs over the block table of
+    # another row (a table reordered after the slots were mapped, an index
+    # off by one): each request's KV is stored in another's blocks.
+    kernel = vllm_block_table._COMPUTE_SLOT_MAPPING_KERNEL
+
+    def shifted(self: Any, num_reqs: int, query_start_loc: Any, positions: Any) -> None:
+        table = self.block_table.gpu
+        rolled = torch.roll(table[:num_reqs], 1, dims=0).contiguous()
+        kernel(
+            num_reqs, positions.shape[0], self.max_num_batched_tokens, query_start_loc, positions,
+            rolled, table.stride(0), self.slot_mapping.gpu, self.block_size, 1, 0, 1,
+        )
+
+    monkeypatch.setattr(vllm_block_table.BlockTable, "compute_slot_mapping", shifted)
+    engine = Engine(adapter)
+    engine.add(requests(("A", 40, 2), ("B", 40, 2)))
+    engine.step()
+    found = adapter.take_violations()
+    assert {f.kind for f in found} == {"foreign-write"}
+    assert {f.request for f in found} == {"A", "B"}
+    assert all("slot_mapping" in f.what for f in found)
+
+
+def test_padding_tokens_stored_nowhere_are_clean(distributed: None, adapter: Any) -> None:
+    engine = Engine(adapter)
+    engine.add(requests(("A", 40, 3), ("B", 40, 3)))
+    engine.step()
+    engine.step(pad_to=8)  # two decode tokens, padded as a CUDA graph pads
+    assert adapter.checked_steps == 2
+    assert kinds(adapter) == []
+
+
+def test_padding_tokens_with_stale_slots_are_caught(distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The class: padding slots that are not -1. The kernel's own padding
+    # pass and the runner's fill both take the padded count for the real
+    # one, so the padding keeps the previous step's slots, and the store
+    # kernel writes the padding tokens' KV into another request's blocks.
+    table = vllm_block_table.BlockTable
+    compute = table.compute_slot_mapping
+
+    def unpadded(self: Any, num_reqs: int, query_start_loc: Any, positions: Any) -> None:
+        keep, self.max_num_batched_tokens = self.max_num_batched_tokens, positions.shape[0]
+        try:
+            compute(self, num_reqs, query_start_loc, positions)
+        finally:
+            self.max_num_batched_tokens = keep
+
+    slots = GPUModelRunner._get_slot_mappings
+
+    def unfilled(self: Any, num_tokens_padded: int, num_reqs_padded: int, num_tokens_unpadded: int, **kw: Any) -> Any:
+        return slots(self, num_tokens_padded, num_reqs_padded, num_tokens_padded, **kw)
+
+    monkeypatch.setattr(table, "compute_slot_mapping", unpadded)
+    monkeypatch.setattr(GPUModelRunner, "_get_slot_mappings", unfilled)
+    engine = Engine(adapter)
+    engine.add(requests(("A", 40, 3), ("B", 40, 3)))
+    engine.step()
+    assert kinds(adapter) == []
+    engine.step(pad_to=8)
+    found = adapter.take_violations()
+    assert {f.request for f in found} == {"the step's padding tokens"}
+    assert {f.kind for f in found} == {"foreign-write"}
+
+
+def test_a_runner_without_its_scheduler_is_counted_unchecked(distributed: None, adapter: Any) -> None:
+    engine = Engine(adapter)
+    adapter._runners.clear()
+    engine.add(requests(("A", 40, 2)))
+    engine.step()
+    assert adapter.checked_steps == 0
+    assert adapter.unchecked_steps == {"model runners not linked to a scheduler (Adapter.watch_runner)": 1}
+
+
+def test_blocks_shared_through_the_prefix_cache_are_read_cleanly(distributed: None, adapter: Any) -> None:
+    engine = Engine(adapter, prefix_caching=True)
+    (a,) = requests(("A", 3 * BLOCK + 8, 3))
+    engine.add([a])
+    engine.step()
+    shared = a.prompt_token_ids[: 2 * BLOCK] + [7] * (BLOCK + 8)
+    engine.add(requests(("B", len(shared), 3), prompts={"B": shared}))
+    out = engine.step()
+    (b,) = out.scheduled_new_reqs
+    assert b.num_computed_tokens == 2 * BLOCK  # two blocks hit in A's
+    engine.step()
+    assert adapter.checked_steps == 3
+    assert kinds(adapter) == []
+
+
+def test_a_request_recomputing_its_own_cached_tokens_is_reported_only_when_strict(
+    distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's decode side of P/D computes a whole-arrived prompt's last
+    token again, into a block the prefix cache holds (PR #34616): the same
+    tokens' KV at the same positions. Re-created here by taking the
+    request's count back into its second, registered block."""
+    engine = Engine(adapter, prefix_caching=True)
+    (a,) = requests(("A", 2 * BLOCK + 8, 4))
+    engine.add([a])
+    engine.step()
+    engine.step()
+    assert kinds(adapter) == []
+    before = adapter.cached_rewrites
+    a.num_computed_tokens = 2 * BLOCK - 1
+    engine.step()
+    assert kinds(adapter) == []
+    assert adapter.cached_rewrites > before
+    monkeypatch.setattr(adapter, "strict_cached_rewrites", True)
+    a.num_computed_tokens = 2 * BLOCK - 1
+    engine.step()
+    found = adapter.take_violations()
+    assert {f.kind for f in found} == {"foreign-write"}
+    assert any("slot_mapping" in f.what for f in found)
