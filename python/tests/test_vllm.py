@@ -244,23 +244,28 @@ def test_a_write_of_other_tokens_into_a_cached_block_is_reported(adapter: Any, f
     assert "foreign-write" in take(adapter, found)
 
 
+def with_full_attention(name: str, spec: Any, num_blocks: int) -> KVCacheManager:
+    """A full-attention group and group ``name`` of ``spec`` on one pool."""
+    init_none_hash(sha256)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["full"], full), KVCacheGroupSpec([name], spec)],
+    )
+    return KVCacheManager(
+        config, max_model_len=8192, enable_caching=True, hash_block_size=BLOCK, scheduler_block_size=BLOCK
+    )
+
+
 def hybrid_manager(num_blocks: int = 24, window: int = 32) -> KVCacheManager:
     """A full-attention group and a sliding-window group on one pool, as
     vLLM's hybrid models have (the window's skipped prefix becomes the
     null block)."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    init_none_hash(sha256)
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window)
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["full"], full), KVCacheGroupSpec(["swa"], swa)],
-    )
-    return KVCacheManager(
-        config, max_model_len=8192, enable_caching=True, hash_block_size=BLOCK, scheduler_block_size=BLOCK
-    )
+    return with_full_attention("swa", swa, num_blocks)
 
 
 def windowed_past_its_first_blocks(m: KVCacheManager) -> Request:
@@ -299,3 +304,57 @@ def test_a_step_writing_positions_whose_block_is_null_is_caught(
     kinds = take(adapter, found)
     assert kinds == ["foreign-write"], found
     assert "null block" in found[0].what and found[0].block == m.block_pool.null_block.block_id
+
+
+def mamba_manager(num_blocks: int = 32) -> KVCacheManager:
+    """A full-attention group and a Mamba state group on one pool, as
+    vLLM's hybrid Mamba models have (state blocks at block boundaries,
+    the null block elsewhere)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    state = MambaSpec(block_size=BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    return with_full_attention("mamba", state, num_blocks)
+
+
+def test_a_pool_with_mamba_state_groups_is_checked_and_a_clean_run_passes(adapter: Any, found: list[Any]) -> None:
+    before = (adapter.checked_pools, dict(adapter.unchecked_pools))
+    m = mamba_manager()
+    a = request("a", PROMPT)
+    schedule(m, a, 20)
+    schedule(m, a)
+    b = request("b", [5] * 50)
+    schedule(m, b, 24)
+    schedule(m, b)
+    finish(m, a)
+    finish(m, b)
+    assert (adapter.checked_pools, adapter.unchecked_pools) == (before[0] + 1, before[1])
+    assert take(adapter, found) == []
+
+
+def test_a_mamba_state_block_freed_twice_is_caught(adapter: Any, found: list[Any]) -> None:
+    m = mamba_manager()
+    a = request("a", PROMPT)
+    schedule(m, a)
+    states = [blk for blk in m.coordinator.single_type_managers[1].req_to_blocks["a"] if not blk.is_null]
+    assert states
+    finish(m, a)
+    m.block_pool.free_blocks(states[-1:])  # a retired state block freed again
+    assert take(adapter, found) == ["double-free"]
+
+
+def test_a_block_its_caller_took_for_a_request_is_that_requests(adapter: Any, found: list[Any]) -> None:
+    # vLLM's own manager tests take blocks from the pool themselves and
+    # hand them to a request's table; the request then lets them go.
+    m = manager()
+    (blk,) = m.block_pool.get_new_blocks(1)
+    group = m.coordinator.single_type_managers[0]
+    group.req_to_blocks["r"] = [blk]
+    group.free("r")
+    assert take(adapter, found) == []
+    # The neighbour: a block another request took in its own call, let go
+    # of by a request it was never given to.
+    a = request("a", PROMPT)
+    schedule(m, a)
+    group.req_to_blocks["r"] = group.req_to_blocks["a"][-1:]
+    group.free("r")
+    assert "foreign-free" in take(adapter, found)

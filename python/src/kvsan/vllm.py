@@ -57,15 +57,17 @@ What is checked, and what is not:
   whose block size is the hash block size: every written slot and every
   read;
 * other groups on such a pool (sliding window, chunked local, cross
-  attention) keep their blocks' allocation, sharing and freeing checked,
-  but their blocks count as written whole when taken and their reads are
-  not checked;
+  attention, Mamba state groups) keep their blocks' allocation, sharing
+  and freeing checked, but their blocks count as written whole when taken
+  and their reads are not checked;
 * vLLM's null block is held by a holder of its own: a step computing
-  positions whose block (in any group of a checked pool) is the null
-  block writes into a page it does not own;
+  positions whose block (in any KV group of a checked pool) is the null
+  block writes into a page it does not own (a state group's step writes
+  its state block, not a block per position);
+* a block taken outside any request's call and handed to a request by
+  its caller is the first request's that lets go of it;
 * pools beyond this model are left alone and counted in
-  :attr:`Adapter.unchecked_pools`: pools with Mamba groups (state blocks,
-  copied on write and checkpointed), HiSparse pools, pools whose blocks are
+  :attr:`Adapter.unchecked_pools`: HiSparse pools, pools whose blocks are
   larger than the hash block (vLLM then caches partial entries inside a
   block; kvsan shares whole pages only), and block pools of other kinds;
 * a block that still enters the prefix cache as a partial entry
@@ -110,6 +112,9 @@ class _Block:
     pending_free: list[int] = field(default_factory=list)
     cache_held: bool = False
     unchecked: bool = False
+    # Taken outside any request's call (a caller that hands blocks to a
+    # request itself): the first request that lets go of it held it.
+    unclaimed: bool = False
 
 
 @dataclass
@@ -420,6 +425,7 @@ class Adapter(Hooks):
                 b.pending_free = []
                 b.cache_held = False
                 b.unchecked = False
+                b.unclaimed = cur is None
                 if not self._slot_exact(st, cur[1] if cur else None):
                     v = st.pool.write(owner, b.ref, (0, st.page_slots))
                     self._note(v, "a block taken whole", blk.block_id, owner.request)
@@ -460,6 +466,9 @@ class Adapter(Hooks):
                 if b.ref is None:
                     continue
                 n = self._holder_letting_go(st, b, cur, blk.ref_cnt)
+                if b.unclaimed and n not in b.holders and len(b.known) == 1:
+                    # The request was handed the block by whoever took it.
+                    self._claim(st, b, n)
                 if n not in b.holders and blk.ref_cnt > len(b.holders):
                     # vLLM took this reference itself, not through the pool
                     # (a copy-on-write endpoint kept until the copy ran):
@@ -474,6 +483,16 @@ class Adapter(Hooks):
                 v = st.pool.free(Owner(n, 0), b.ref)
                 self._note(v, "freeing a block", blk.block_id, n)
         return original(pool, blocks, *a, **kw)
+
+    def _claim(self, st: _PoolState, b: _Block, n: int) -> None:
+        assert b.ref is not None
+        taker = b.known[0]
+        self._note(st.pool.share(b.ref, Owner(n, 0)), "a request given a block taken for it", None, n)
+        self._note(st.pool.free(Owner(taker, 0), b.ref), "the block's taker lets it go", None, taker)
+        b.holders[b.holders.index(taker)] = n
+        b.known = [n]
+        b.owner = n
+        b.unclaimed = False
 
     def _holder_letting_go(self, st: _PoolState, b: _Block, cur: tuple[str, Any] | None, refs: int) -> int:
         """Who drops a reference: the request whose call this is; else one
@@ -737,7 +756,9 @@ class Adapter(Hooks):
         hashes = getattr(request, "block_hashes", None) or []
         for m in managers:
             st = self._state(m.block_pool)
-            if st is None:
+            if st is None or _state_group(m):
+                # A state group's step writes the request's running state
+                # in its state block, not a block per position.
                 continue
             exact = self._slot_exact(st, m)
             owner = self._owner(st, rid)
@@ -981,11 +1002,14 @@ def _block_id_groups(ids: Any) -> list[list[int]] | None:
     return None
 
 
+def _state_group(manager: Any) -> bool:
+    """A group of recurrent state blocks (Mamba and its kin), not KV."""
+    return "Mamba" in type(manager).__name__
+
+
 def _unmodelled(manager: Any, pool: Any) -> str | None:
     """Why a manager's pool is beyond the adapter's model, if it is."""
     kind = type(manager).__name__
-    if "Mamba" in kind:
-        return "Mamba state blocks (copied on write, checkpointed)"
     if "HiSparse" in kind:
         return "HiSparse host and resident pools"
     if manager.block_size != pool.hash_block_size:
