@@ -197,7 +197,7 @@ impl KvBatch<'_> {
 fn dot_qk(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
+        Isa::Avx2 | Isa::Avx2Vnni => {
             // SAFETY: `isa` is available (callers pass `or_portable()`), and
             // q and k are both head_dim long.
             unsafe { crate::avx2::dot_f32_f16(q, k) }
@@ -210,7 +210,7 @@ fn dot_qk(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
 fn axpy(isa: Isa, out: &mut [f32], a: f32, v: &[f16]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
+        Isa::Avx2 | Isa::Avx2Vnni => {
             // SAFETY: `isa` is available and out and v are both head_dim long.
             unsafe { crate::avx2::axpy_f16(out, a, v) }
         }

@@ -13,6 +13,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use crate::DType;
+use crate::isa::Vnni;
 use crate::quant::{ActFormat, Q8_1_BLOCK_BYTES, Q8_K_BLOCK_BYTES, QK_K, q4k_scale_min};
 
 /// f16 bits at `p` as f32.
@@ -50,15 +51,6 @@ unsafe fn load32(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p.cast()) }
 }
 
-/// Σ of signed × signed byte pairs, as 8 i32 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_i8_i8(x: __m256i, y: __m256i) -> __m256i {
-    let ax = _mm256_sign_epi8(x, x);
-    let sy = _mm256_sign_epi8(y, x);
-    _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
-}
-
 /// Σ of unsigned × signed byte pairs, as 8 i32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -67,15 +59,16 @@ fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 }
 
 /// Dot product of one weight row of `dtype` with one activation row in
-/// `ActFormat::for_weight(dtype)`.
+/// `ActFormat::for_weight(dtype)`; with `vnni`, the 32-value formats' byte
+/// sums take the CPU's VNNI instruction (the same result).
 ///
 /// # Safety
-/// - The CPU supports AVX2, FMA and F16C.
+/// - The CPU supports AVX2, FMA and F16C (and VNNI, with `vnni`).
 /// - `w.len() >= dtype.row_bytes(cols)` and
 ///   `x.len() >= ActFormat::for_weight(dtype).row_bytes(cols)`, with `cols`
 ///   a whole number of blocks of `dtype`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn vec_dot(dtype: DType, cols: usize, w: &[u8], x: &[u8]) -> f32 {
+pub(crate) unsafe fn vec_dot(vnni: bool, dtype: DType, cols: usize, w: &[u8], x: &[u8]) -> f32 {
     debug_assert!(Some(w.len()) >= dtype.row_bytes(cols));
     debug_assert!(x.len() >= ActFormat::for_weight(dtype).row_bytes(cols));
     let (w, x) = (w.as_ptr(), x.as_ptr());
@@ -86,7 +79,7 @@ pub(crate) unsafe fn vec_dot(dtype: DType, cols: usize, w: &[u8], x: &[u8]) -> f
             DType::F32 => dot_f32(cols, w.cast(), x.cast()),
             DType::F16 => dot_f16_f16(cols, w, x),
             DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
-                dot_blocks32::<1>(dtype, cols / 32, w, x, 0)[0]
+                blocks32::<1>(vnni, dtype, cols / 32, w, x, 0)[0]
             }
             DType::Q4K => dot_q4k(cols / QK_K, w, x),
             DType::Q6K => dot_q6k(cols / QK_K, w, x),
@@ -191,54 +184,129 @@ unsafe fn weight_quants(dtype: DType, wb: *const u8) -> __m256i {
     }
 }
 
-/// Dot products of one weight row of a 32-value format (Q4_0, Q4_1, Q8_0)
-/// with `N` activation rows `x_stride` bytes apart: each block is unpacked
-/// once for the `N` tokens. Per token the arithmetic (and so the result) is
-/// the same for every `N`, so a token's output does not depend on its batch.
+/// [`dot_u8_i8`]'s sums (four products per i32 lane; AVX2 takes two
+/// instructions, and no i16 pair saturates for these formats: at most
+/// 2 · 128 · 127) in one AVX-VNNI instruction.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+fn dp_u8_i8_avxvnni(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+}
+
+/// The same sums in one AVX-512 VNNI instruction on 256-bit registers.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+fn dp_u8_i8_avx512vnni(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+}
+
+/// Defines a 32-value-block kernel (see [`dot_blocks32`]) whose byte dot
+/// products inside a block are `$dp`, compiled for `$features`.
+macro_rules! blocks32_kernel {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $dp:ident) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const N: usize>(
+            dtype: DType,
+            nb: usize,
+            w: *const u8,
+            x: *const u8,
+            x_stride: usize,
+        ) -> [f32; N] {
+            let (wbb, xbb, xq, signed) = match dtype {
+                DType::Q4_0 => (18, 34, 2, true),
+                DType::Q4_1 => (20, Q8_1_BLOCK_BYTES, 4, false),
+                _ => (34, 34, 2, true),
+            };
+            let mut acc = [_mm256_setzero_ps(); N];
+            // Lane 1 sums m_w · s_x (Q4_1 only).
+            let mut acc_m = [_mm_setzero_ps(); N];
+            for i in 0..nb {
+                // SAFETY: block i of the weight row and of every activation
+                // row is inside the caller's buffers.
+                unsafe {
+                    let wb = w.add(wbb * i);
+                    let qw = weight_quants(dtype, wb);
+                    // Signed weights: |w| × (x with w's sign), as llama.cpp.
+                    let uw = if signed { _mm256_sign_epi8(qw, qw) } else { qw };
+                    for t in 0..N {
+                        let xb = x.add(t * x_stride + xbb * i);
+                        let prod = scale_pairs(wb, xb);
+                        let qx = load32(xb.add(xq));
+                        let sx = if signed { _mm256_sign_epi8(qx, qw) } else { qx };
+                        let q = $dp(uw, sx);
+                        acc[t] = _mm256_fmadd_ps(
+                            _mm256_broadcastss_ps(prod),
+                            _mm256_cvtepi32_ps(q),
+                            acc[t],
+                        );
+                        if !signed {
+                            acc_m[t] = _mm_add_ps(acc_m[t], prod);
+                        }
+                    }
+                }
+            }
+            std::array::from_fn(|t| hsum_f32(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_m[t])))
+        }
+    };
+}
+
+blocks32_kernel!(
+    /// Dot products of one weight row of a 32-value format (Q4_0, Q4_1,
+    /// Q8_0) with `N` activation rows `x_stride` bytes apart: each block is
+    /// unpacked once for the `N` tokens. Per token the arithmetic (and so
+    /// the result) is the same for every `N`, so a token's output does not
+    /// depend on its batch; the VNNI variants below sum the same integers.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C; `nb` blocks of `dtype` at `w`; `N` activation rows of
+    /// `nb` blocks of `ActFormat::for_weight(dtype)` at `x + t * x_stride`.
+    dot_blocks32,
+    "avx2,fma,f16c",
+    dot_u8_i8
+);
+blocks32_kernel!(
+    /// [`dot_blocks32`] with AVX-VNNI.
+    ///
+    /// # Safety
+    /// As [`dot_blocks32`], and the CPU has AVX-VNNI.
+    dot_blocks32_avxvnni,
+    "avx2,fma,f16c,avxvnni",
+    dp_u8_i8_avxvnni
+);
+blocks32_kernel!(
+    /// [`dot_blocks32`] with AVX-512 VNNI (and VL).
+    ///
+    /// # Safety
+    /// As [`dot_blocks32`], and the CPU has AVX-512 F, VL and VNNI.
+    dot_blocks32_avx512vnni,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    dp_u8_i8_avx512vnni
+);
+
+/// [`dot_blocks32`] on this CPU's VNNI when `vnni`, else on AVX2 alone.
 ///
 /// # Safety
-/// AVX2/FMA/F16C; `nb` blocks of `dtype` at `w`; `N` activation rows of `nb`
-/// blocks of `ActFormat::for_weight(dtype)` at `x + t * x_stride`.
+/// As [`dot_blocks32`]; with `vnni`, [`crate::isa::vnni`] found VNNI.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_blocks32<const N: usize>(
+unsafe fn blocks32<const N: usize>(
+    vnni: bool,
     dtype: DType,
     nb: usize,
     w: *const u8,
     x: *const u8,
     x_stride: usize,
 ) -> [f32; N] {
-    let (wbb, xbb, xq, signed) = match dtype {
-        DType::Q4_0 => (18, 34, 2, true),
-        DType::Q4_1 => (20, Q8_1_BLOCK_BYTES, 4, false),
-        _ => (34, 34, 2, true),
-    };
-    let mut acc = [_mm256_setzero_ps(); N];
-    // Lane 1 sums m_w · s_x (Q4_1 only).
-    let mut acc_m = [_mm_setzero_ps(); N];
-    for i in 0..nb {
-        // SAFETY: block i of the weight row and of every activation row is
-        // inside the caller's buffers.
-        unsafe {
-            let wb = w.add(wbb * i);
-            let qw = weight_quants(dtype, wb);
-            for t in 0..N {
-                let xb = x.add(t * x_stride + xbb * i);
-                let prod = scale_pairs(wb, xb);
-                let qx = load32(xb.add(xq));
-                let q = if signed {
-                    dot_i8_i8(qw, qx)
-                } else {
-                    dot_u8_i8(qw, qx)
-                };
-                acc[t] =
-                    _mm256_fmadd_ps(_mm256_broadcastss_ps(prod), _mm256_cvtepi32_ps(q), acc[t]);
-                if !signed {
-                    acc_m[t] = _mm_add_ps(acc_m[t], prod);
-                }
-            }
+    // SAFETY: the caller guarantees the rows and the features; a VNNI
+    // kernel runs only where `isa::vnni` detected its encoding.
+    unsafe {
+        match (vnni, crate::isa::vnni()) {
+            (true, Some(Vnni::Avx)) => dot_blocks32_avxvnni::<N>(dtype, nb, w, x, x_stride),
+            (true, Some(Vnni::Avx512)) => dot_blocks32_avx512vnni::<N>(dtype, nb, w, x, x_stride),
+            _ => dot_blocks32::<N>(dtype, nb, w, x, x_stride),
         }
     }
-    std::array::from_fn(|t| hsum_f32(acc[t]) + _mm_cvtss_f32(_mm_movehdup_ps(acc_m[t])))
 }
 
 /// Four dot products of one weight row with four activation rows
@@ -250,6 +318,7 @@ unsafe fn dot_blocks32<const N: usize>(
 /// (`x.len() >= 3 * x_stride + row bytes`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot4(
+    vnni: bool,
     dtype: DType,
     cols: usize,
     w: &[u8],
@@ -260,7 +329,7 @@ pub(crate) unsafe fn vec_dot4(
     match dtype {
         DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
             // SAFETY: the caller guarantees the features and the four rows.
-            Some(unsafe { dot_blocks32::<4>(dtype, cols / 32, w.as_ptr(), x.as_ptr(), x_stride) })
+            Some(unsafe { blocks32::<4>(vnni, dtype, cols / 32, w.as_ptr(), x.as_ptr(), x_stride) })
         }
         _ => None,
     }
@@ -418,6 +487,80 @@ pub(crate) unsafe fn axpy_f16(out: &mut [f32], a: f32, v: &[f16]) {
         while i < n {
             *op.add(i) += a * f16_at(vp.add(2 * i));
             i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isa::Isa;
+
+    /// Blocks of `bytes` bytes: an f16 scale (and, for 36-byte activation
+    /// blocks, a second) of 0.5, then pseudo-random quants.
+    fn blocks(n: usize, bytes: usize, quants_at: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed;
+        let half = half::f16::from_f32(0.5).to_bits().to_le_bytes();
+        let mut out = Vec::with_capacity(n * bytes);
+        for _ in 0..n {
+            let start = out.len();
+            for o in 0..bytes {
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                out.push(if o < quants_at {
+                    half[o % 2]
+                } else {
+                    (x >> 56) as u8
+                });
+            }
+            debug_assert_eq!(out.len() - start, bytes);
+        }
+        out
+    }
+
+    #[test]
+    fn every_vnni_encoding_sums_what_avx2_sums() {
+        if !Isa::Avx2.available() {
+            return;
+        }
+        let nb = 24;
+        for (dtype, wbb, wq, xbb, xq) in [
+            (DType::Q4_0, 18, 2, 34, 2),
+            (DType::Q4_1, 20, 4, Q8_1_BLOCK_BYTES, 4),
+            (DType::Q8_0, 34, 2, 34, 2),
+        ] {
+            let w = blocks(nb, wbb, wq, 1);
+            let x = blocks(4 * nb, xbb, xq, 2);
+            let stride = nb * xbb;
+            // SAFETY: AVX2 is present; the rows hold nb blocks each, four
+            // activation rows `stride` apart; each VNNI kernel runs only
+            // where the CPU has its encoding.
+            unsafe {
+                let want = dot_blocks32::<4>(dtype, nb, w.as_ptr(), x.as_ptr(), stride);
+                let mut got = Vec::new();
+                if is_x86_feature_detected!("avxvnni") {
+                    got.push(dot_blocks32_avxvnni::<4>(
+                        dtype,
+                        nb,
+                        w.as_ptr(),
+                        x.as_ptr(),
+                        stride,
+                    ));
+                }
+                if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+                    got.push(dot_blocks32_avx512vnni::<4>(
+                        dtype,
+                        nb,
+                        w.as_ptr(),
+                        x.as_ptr(),
+                        stride,
+                    ));
+                }
+                for g in got {
+                    assert_eq!(g.map(f32::to_bits), want.map(f32::to_bits), "{dtype}");
+                }
+            }
         }
     }
 }

@@ -10,6 +10,12 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 + FMA + F16C (Haswell, Zen and later).
     Avx2,
+    /// [`Isa::Avx2`] whose byte dot products inside a block take one VNNI
+    /// instruction (`vpdpbusd`: AVX-VNNI, or AVX-512 VNNI with VL) where
+    /// AVX2 takes two (Ice Lake, Sapphire Rapids, Zen 4 and later). The
+    /// integer sums are the same, so the results are bit-identical to
+    /// [`Isa::Avx2`]'s.
+    Avx2Vnni,
 }
 
 impl Isa {
@@ -19,17 +25,23 @@ impl Isa {
         match self {
             Isa::Portable => true,
             Isa::Avx2 => avx2_available(),
+            Isa::Avx2Vnni => avx2_available() && vnni_available(),
         }
     }
 
     /// The fastest path this CPU can run. Setting the environment variable
-    /// `KVSAN_KERNELS_PORTABLE=1` before first use forces [`Isa::Portable`].
+    /// `KVSAN_KERNELS_PORTABLE=1` before first use forces [`Isa::Portable`];
+    /// `KVSAN_KERNELS_NO_VNNI=1` keeps [`Isa::Avx2`] on a CPU with VNNI.
     #[must_use]
     pub fn detected() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
-            let forced = std::env::var_os("KVSAN_KERNELS_PORTABLE").is_some_and(|v| v == "1");
-            if !forced && Isa::Avx2.available() {
+            let set = |name: &str| std::env::var_os(name).is_some_and(|v| v == "1");
+            if set("KVSAN_KERNELS_PORTABLE") {
+                Isa::Portable
+            } else if !set("KVSAN_KERNELS_NO_VNNI") && Isa::Avx2Vnni.available() {
+                Isa::Avx2Vnni
+            } else if Isa::Avx2.available() {
                 Isa::Avx2
             } else {
                 Isa::Portable
@@ -50,7 +62,7 @@ impl Isa {
     /// Every path this CPU can run (for tests that compare them).
     #[must_use]
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2]
+        [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni]
             .into_iter()
             .filter(|i| i.available())
             .collect()
@@ -67,4 +79,36 @@ fn avx2_available() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
     false
+}
+
+/// Which VNNI encoding of `vpdpbusd` on 256-bit registers this CPU has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Vnni {
+    /// AVX-VNNI (VEX): Alder Lake, Sapphire Rapids, Zen 5.
+    Avx,
+    /// AVX-512 VNNI with VL (EVEX): Ice Lake, Zen 4.
+    Avx512,
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn vnni() -> Option<Vnni> {
+    static FOUND: OnceLock<Option<Vnni>> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        if is_x86_feature_detected!("avxvnni") {
+            Some(Vnni::Avx)
+        } else if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+            Some(Vnni::Avx512)
+        } else {
+            None
+        }
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn vnni() -> Option<Vnni> {
+    None
+}
+
+fn vnni_available() -> bool {
+    vnni().is_some()
 }

@@ -218,3 +218,47 @@ fn dequantize_row_and_embedding_return_the_stored_row() {
     kvsan_kernels::dequantize_row(&w, 2, &mut row2);
     assert_eq!(&emb[cols..], &row2[..]);
 }
+
+#[test]
+fn the_vnni_path_is_bit_identical_to_avx2() {
+    // Where the CPU has VNNI, the byte sums inside a block take one
+    // instruction instead of two; the integers, and so every output bit,
+    // are the same (the golden generations depend on it).
+    if !Isa::Avx2Vnni.available() {
+        eprintln!("no AVX2 with VNNI on this CPU: nothing to compare");
+        return;
+    }
+    let mut rng = rng(7);
+    let pool = ThreadPool::new(2);
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        // Token counts that take the one-token and the four-token kernels.
+        for n_tokens in [1, 4, 7] {
+            let (rows, cols) = (19, 1024);
+            let data = random_weights(&mut rng, dtype, rows, cols);
+            let w = WeightMatrix::new(dtype, rows, cols, &data).unwrap();
+            // Large activations too: quants at ±127 on every block.
+            let x = random_f32(&mut rng, n_tokens * cols, 50.0);
+            let run = |isa| {
+                let mut y = vec![0.0f32; n_tokens * rows];
+                matmul_with(Exec { pool: &pool, isa }, &w, &x, n_tokens, &mut y);
+                y
+            };
+            let (avx2, vnni) = (run(Isa::Avx2), run(Isa::Avx2Vnni));
+            assert!(
+                avx2.iter()
+                    .zip(&vnni)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype}, {n_tokens} tokens: the VNNI path differs from AVX2"
+            );
+            let fmt = ActFormat::for_weight(dtype);
+            let mut xq = vec![0u8; fmt.row_bytes(cols)];
+            quant::quantize_activations(fmt, &x[..cols], &mut xq);
+            let row = &data[..dtype.row_bytes(cols).unwrap()];
+            assert_eq!(
+                kvsan_kernels::matmul::vec_dot(Isa::Avx2, dtype, cols, row, &xq).to_bits(),
+                kvsan_kernels::matmul::vec_dot(Isa::Avx2Vnni, dtype, cols, row, &xq).to_bits(),
+                "{dtype}: one row"
+            );
+        }
+    }
+}
