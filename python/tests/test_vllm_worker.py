@@ -25,9 +25,11 @@ from typing import Any, Iterator
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-
+if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+    pytest.skip(
+        "runs vLLM's Triton kernel on the CPU: TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= (scripts/vllm-tests run)",
+        allow_module_level=True,
+    )
 pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 if not os.environ.get("VLLM_SRC"):
     pytest.skip("needs vLLM's test helpers: VLLM_SRC (bash scripts/vllm-tests setup)", allow_module_level=True)
@@ -258,6 +260,20 @@ def test_a_row_condense_leaves_in_place_is_caught(distributed: None, adapter: An
     assert {f.kind for f in found} == {"write-after-free", "read-free-page"}
     assert any("slot_mapping" in f.what for f in found)
     assert any("block table" in f.what for f in found)
+
+
+def test_a_moved_request_left_with_a_cleared_row_writes_the_null_block(
+    distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same class on vLLM 0.33.0, which clears a request's row when it
+    # leaves: the move skipped, the moved request's row lists block 0,
+    # vLLM's null block, which attention takes to hold zeros.
+    monkeypatch.setattr(vllm_block_table.MultiGroupBlockTable, "move_row", lambda self, src, tgt: None)
+    engine = Engine(adapter)
+    finish_first_then_decode(engine)
+    found = adapter.take_violations()
+    assert {f.request for f in found} == {"C"}
+    assert {f.kind for f in found} == {"foreign-write", "foreign-read"}
 
 
 def test_a_slot_mapping_from_another_row_is_caught(distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
