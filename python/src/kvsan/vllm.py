@@ -466,7 +466,7 @@ class Adapter(Hooks):
                 if b.ref is None:
                     continue
                 n = self._holder_letting_go(st, b, cur, blk.ref_cnt)
-                if b.unclaimed and n not in b.holders and len(b.known) == 1:
+                if cur is not None and b.unclaimed and len(b.holders) == 1 and b.known == b.holders != [n]:
                     # The request was handed the block by whoever took it.
                     self._claim(st, b, n)
                 if n not in b.holders and blk.ref_cnt > len(b.holders):
@@ -485,11 +485,13 @@ class Adapter(Hooks):
         return original(pool, blocks, *a, **kw)
 
     def _claim(self, st: _PoolState, b: _Block, n: int) -> None:
+        """Request ``n`` takes over a block from its only holder, who took
+        it outside any request's call."""
         assert b.ref is not None
         taker = b.known[0]
         self._note(st.pool.share(b.ref, Owner(n, 0)), "a request given a block taken for it", None, n)
         self._note(st.pool.free(Owner(taker, 0), b.ref), "the block's taker lets it go", None, taker)
-        b.holders[b.holders.index(taker)] = n
+        b.holders = [n]
         b.known = [n]
         b.owner = n
         b.unclaimed = False
