@@ -389,3 +389,14 @@ def test_a_request_recomputing_its_own_cached_tokens_is_reported_only_when_stric
     found = adapter.take_violations()
     assert {f.kind for f in found} == {"foreign-write"}
     assert any("slot_mapping" in f.what for f in found)
+
+
+def test_a_runner_the_adapter_cannot_see_is_refused_by_name(distributed: None, adapter: Any) -> None:
+    # vLLM's V2 model runner builds its buffers elsewhere: linking it would
+    # check nothing, silently.
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    engine = Engine(adapter)
+    v2 = V2Runner.__new__(V2Runner)
+    with pytest.raises(TypeError, match=r"V1 model runner .* not of vllm\.v1\.worker\.gpu\.model_runner\.GPUModelRunner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        adapter.watch_runner(v2, engine.scheduler)

@@ -264,7 +264,21 @@ class Adapter(Hooks):
         the blocks ``scheduler`` handed out: the model runner is the
         worker, in this process, of that scheduler's engine. Each step's
         buffers are checked as the attention and KV store kernels take
-        them (see :meth:`check_runner_step`)."""
+        them (see :meth:`check_runner_step`).
+
+        Raises :class:`TypeError` for a runner whose steps the adapter
+        cannot see, such as vLLM's V2 model runner
+        (``vllm.v1.worker.gpu.model_runner``; ``VLLM_USE_V2_MODEL_RUNNER=0``
+        selects the V1 runner)."""
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        if not isinstance(runner, GPUModelRunner):
+            kind = f"{type(runner).__module__}.{type(runner).__qualname__}"
+            raise TypeError(
+                f"kvsan.vllm checks the steps of vLLM's V1 model runner (GPUModelRunner and its "
+                f"subclasses, such as CPUModelRunner), not of {kind}; with vLLM's V2 model runner, "
+                "set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
         self._runners[runner] = weakref.ref(scheduler)
 
     # ---- context: which request a pool call is for ---------------------------
