@@ -38,7 +38,7 @@ sys.path.insert(0, os.environ["VLLM_SRC"])
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tests.v1.core.utils import create_requests, create_scheduler  # noqa: E402
+from tests.v1.core.utils import EOS_TOKEN_ID, create_requests, create_scheduler  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.distributed.parallel_state import (  # noqa: E402
@@ -106,10 +106,17 @@ def adapter() -> Iterator[kvsan.vllm.Adapter]:
 class Engine:
     """A vLLM scheduler and a model runner on the CPU for its steps."""
 
-    def __init__(self, adapter: kvsan.vllm.Adapter, prefix_caching: bool = False, batched_tokens: int = 8192):
+    def __init__(
+        self,
+        adapter: kvsan.vllm.Adapter,
+        prefix_caching: bool = False,
+        batched_tokens: int = 8192,
+        async_scheduling: bool = False,
+    ):
         self.scheduler = create_scheduler(
             num_blocks=BLOCKS,
             block_size=BLOCK,
+            async_scheduling=async_scheduling,
             enable_prefix_caching=prefix_caching,
             max_num_batched_tokens=batched_tokens,
             max_model_len=BLOCKS * BLOCK,
@@ -151,6 +158,13 @@ class Engine:
         prepares it, and reported back (each request that finished its
         prompt samples token 0)."""
         out = self.scheduler.schedule()
+        self.prepare(out, pad_to)
+        self.scheduler.update_from_output(out, self.report(out))
+        return out
+
+    def prepare(self, out: Any, pad_to: int | None = None) -> None:
+        """The runner prepares step ``out`` as ``execute_model`` does, up to
+        the forward."""
         runner = self.runner
         with set_current_vllm_config(self.scheduler.vllm_config):
             runner._update_states(out)
@@ -171,16 +185,16 @@ class Engine:
                     num_scheduled_tokens=out.num_scheduled_tokens,
                     slot_mappings=by_group,
                 )
-        report = self._report(out)
-        self.scheduler.update_from_output(out, report)
-        return out
 
-    def _report(self, out: Any) -> ModelRunnerOutput:
+    def report(self, out: Any, eos: frozenset[str] = frozenset()) -> ModelRunnerOutput:
+        """The worker's output for ``out``: token 0 for each request past
+        its prompt, the end-of-sequence token for those in ``eos``."""
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
             r = self.scheduler.requests[rid]
-            sampled.append([0] if r.num_computed_tokens >= r.num_prompt_tokens else [])
+            done = r.num_computed_tokens >= r.num_prompt_tokens
+            sampled.append([EOS_TOKEN_ID if rid in eos else 0] if done else [])
         return ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -400,3 +414,26 @@ def test_a_runner_the_adapter_cannot_see_is_refused_by_name(distributed: None, a
     v2 = V2Runner.__new__(V2Runner)
     with pytest.raises(TypeError, match=r"V1 model runner .* not of vllm\.v1\.worker\.gpu\.model_runner\.GPUModelRunner.*VLLM_USE_V2_MODEL_RUNNER=0"):
         adapter.watch_runner(v2, engine.scheduler)
+
+
+def test_a_step_in_flight_when_its_request_finished_is_not_a_finding(distributed: None, adapter: Any) -> None:
+    """Under async scheduling the next step is scheduled before the last
+    one's output comes back: a request that finishes in that output is
+    freed (vLLM frees at once without a KV connector) while the step that
+    still computes it is prepared. Its write lands in its freed block and
+    the next owner computes into that block itself, after it on the same
+    stream: what vLLM relies on, not a finding."""
+    engine = Engine(adapter, async_scheduling=True)
+    engine.add(requests(("A", 40, 6), ("B", 40, 6)))
+    first = engine.scheduler.schedule()
+    engine.prepare(first)
+    second = engine.scheduler.schedule()  # A samples its end here
+    engine.prepare(second)
+    engine.scheduler.update_from_output(first, engine.report(first))
+    third = engine.scheduler.schedule()  # scheduled before A is seen done
+    assert "A" in third.num_scheduled_tokens
+    engine.scheduler.update_from_output(second, engine.report(second, eos=frozenset({"A"})))
+    assert "A" not in engine.scheduler.requests  # finished and freed
+    engine.prepare(third)
+    assert kinds(adapter) == []
+    assert adapter.unchecked_steps == {"rows of requests finished while their step was in flight": 1}

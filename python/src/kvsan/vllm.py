@@ -96,6 +96,9 @@ from .sanitizer import KvsanError, Pool, Sanitizer, attach as attach_sanitizer
 
 __all__ = ["Adapter", "Finding", "attach"]
 
+# Why a worker row is not checked (Adapter.unchecked_steps).
+_IN_FLIGHT = "rows of requests finished while their step was in flight"
+
 # The kinds of manager whose blocks hold one token per slot and whose
 # attention reads every token before the current one.
 _TOKEN_MANAGERS = ("FullAttentionManager", "SinkFullAttentionManager")
@@ -892,10 +895,23 @@ class Adapter(Hooks):
         from vllm.v1.worker.block_table import SlotMappingMode
 
         with self._lock:
-            managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+            kvm = scheduler.kv_cache_manager
+            managers = kvm.coordinator.single_type_managers
             req_ids = list(runner.input_batch.req_ids[:num_reqs])
             starts = host_array(runner.query_start_loc.cpu[: num_reqs + 1]).astype(np.int32)
             positions = host_array(runner.positions[: int(starts[-1])]).astype(np.int64)
+            # A request that finished (and was freed) while a step that
+            # computes it was in flight: the step's write lands in its freed
+            # blocks, and their next owner computes into them after it on
+            # the same stream (vLLM frees at once without a KV connector;
+            # the scheduler side reports the case a connector load makes
+            # unordered). Its row is not checked.
+            gone = {
+                w.rid for _, writes in self._inflight.get(kvm) or [] for w in writes if w.rid not in scheduler.requests
+            }
+            skipped = [r for r, rid in enumerate(req_ids) if rid in gone]
+            if skipped:
+                self.unchecked_steps[_IN_FLIGHT] = self.unchecked_steps.get(_IN_FLIGHT, 0) + len(skipped)
             checked = False
             for gid, m in enumerate(managers):
                 st = self._state(m.block_pool)
@@ -912,6 +928,8 @@ class Adapter(Hooks):
                 mapping = slot_mappings.get(gid)
                 if mapping is not None:
                     slots = host_array(mapping).astype(np.int64).copy()
+                    for r in skipped:
+                        slots[starts[r] : starts[r + 1]] = -1
                     self._spare_cached_rewrites(st, m, scheduler, req_ids, starts, positions, slots)
                     rows, offsets = owners, starts
                     if len(slots) > starts[-1]:
@@ -923,6 +941,7 @@ class Adapter(Hooks):
                 if self._slot_exact(st, m):
                     blocks = host_array(table.get_device_tensor(num_reqs_padded)).astype(np.int32)
                     lens = host_array(runner.seq_lens[:num_reqs_padded]).astype(np.int32)
+                    lens[skipped] = 0
                     rows = owners + [pad] * (num_reqs_padded - num_reqs)
                     verdicts = st.pool.check_block_table(rows, blocks, blocks.shape[1], lens)
                     for r, v in enumerate(verdicts):
