@@ -437,3 +437,68 @@ def test_a_step_in_flight_when_its_request_finished_is_not_a_finding(distributed
     engine.prepare(third)
     assert kinds(adapter) == []
     assert adapter.unchecked_steps == {"rows of requests finished while their step was in flight": 1}
+
+
+def test_a_slot_past_the_pool_is_named_and_the_step_goes_on(
+    distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A slot the store kernel would write outside the KV cache: kvsan
+    # refuses the buffer, the adapter names it, and vLLM's step goes on.
+    table = vllm_block_table.BlockTable
+    compute = table.compute_slot_mapping
+
+    def past_the_pool(self: Any, num_reqs: int, query_start_loc: Any, positions: Any) -> None:
+        compute(self, num_reqs, query_start_loc, positions)
+        self.slot_mapping.gpu[0] = 10**6
+
+    monkeypatch.setattr(table, "compute_slot_mapping", past_the_pool)
+    engine = Engine(adapter)
+    engine.add(requests(("A", 40, 2)))
+    engine.step()
+    found = adapter.take_violations()
+    assert [f.kind for f in found] == ["bad-batch"]
+    assert "group 0" in found[0].what and "row 0: page index 31250 is outside the pool" in found[0].what
+
+
+def prepare_a_batch_of_two(engine: Engine) -> tuple[Any, dict[int, Any]]:
+    """A batch of two requests prepared up to its attention metadata."""
+    engine.add(requests(("A", 40, 2), ("B", 40, 2)))
+    out = engine.scheduler.schedule()
+    runner = engine.runner
+    with set_current_vllm_config(engine.scheduler.vllm_config):
+        runner._update_states(out)
+        tokens = np.array([out.num_scheduled_tokens[i] for i in runner.input_batch.req_ids], dtype=np.int32)
+        runner._prepare_inputs(out, tokens)
+        n = out.total_num_scheduled_tokens
+        by_group, _ = runner._get_slot_mappings(num_tokens_padded=n, num_reqs_padded=2, num_tokens_unpadded=n)
+    return out, by_group
+
+
+def test_a_dummy_run_and_rows_without_requests_are_counted_not_checked(distributed: None, adapter: Any) -> None:
+    engine = Engine(adapter)
+    out, by_group = prepare_a_batch_of_two(engine)
+    runner = engine.runner
+
+    def build(num_reqs: int) -> None:
+        with set_current_vllm_config(engine.scheduler.vllm_config):
+            runner._build_attention_metadata(
+                num_tokens=out.total_num_scheduled_tokens,
+                num_reqs=num_reqs,
+                max_query_len=40,
+                num_scheduled_tokens=out.num_scheduled_tokens,
+                slot_mappings=by_group,
+            )
+
+    # A dummy batch (profiling, warm-up, an idle data-parallel rank) goes
+    # through GPUModelRunner._dummy_run, whose rows are no request's.
+    adapter._on_dummy_run(lambda r: build(2), runner)
+    # A batch that names more rows than the input batch has requests.
+    build(4)
+    assert adapter.checked_steps == 0
+    assert adapter.unchecked_steps == {
+        "dummy runs (profiling, warm-up, idle data-parallel ranks)": 1,
+        "steps with more rows than the input batch has requests": 1,
+    }
+    build(2)  # the same batch, as a step: checked
+    assert adapter.checked_steps == 1
+    assert kinds(adapter) == []

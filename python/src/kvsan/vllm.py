@@ -259,6 +259,7 @@ class Adapter(Hooks):
             return self
         self._wrap(gmr.GPUModelRunner, "_build_attention_metadata", self._on_attention_metadata)
         self._build_metadata = inspect.signature(vars(gmr.GPUModelRunner)["_build_attention_metadata"].__wrapped__)
+        self._wrap(gmr.GPUModelRunner, "_dummy_run", self._on_dummy_run, optional=True)
         return self
 
     def watch_runner(self, runner: Any, scheduler: Any) -> None:
@@ -854,12 +855,24 @@ class Adapter(Hooks):
 
     # ---- the worker: what attention and the KV store kernels take -------------
 
+    def _on_dummy_run(self, original: Callable[..., Any], runner: Any, *a: Any, **kw: Any) -> Any:
+        self._local.dummy = getattr(self._local, "dummy", 0) + 1
+        try:
+            return original(runner, *a, **kw)
+        finally:
+            self._local.dummy -= 1
+
     def _on_attention_metadata(self, original: Callable[..., Any], runner: Any, *a: Any, **kw: Any) -> Any:
         out = original(runner, *a, **kw)
         assert self._build_metadata is not None
         args = self._build_metadata.bind(runner, *a, **kw).arguments
         if args.get("for_cudagraph_capture"):
             return out  # a capture's dummy batch, no request's
+        if getattr(self._local, "dummy", 0):
+            # Rows of no request (profiling, warm-up, an idle data-parallel
+            # rank): what a dummy batch writes is not checked.
+            self._skip_step("dummy runs (profiling, warm-up, idle data-parallel ranks)")
+            return out
         ref = self._runners.get(runner)
         scheduler = ref() if ref is not None else None
         if scheduler is None:
@@ -898,6 +911,9 @@ class Adapter(Hooks):
             kvm = scheduler.kv_cache_manager
             managers = kvm.coordinator.single_type_managers
             req_ids = list(runner.input_batch.req_ids[:num_reqs])
+            if len(req_ids) < num_reqs:
+                self._skip_step("steps with more rows than the input batch has requests")
+                return
             starts = host_array(runner.query_start_loc.cpu[: num_reqs + 1]).astype(np.int32)
             positions = host_array(runner.positions[: int(starts[-1])]).astype(np.int64)
             # A request that finished (and was freed) while a step that
@@ -923,33 +939,62 @@ class Adapter(Hooks):
                 if table.block_size != m.block_size or m.block_size != st.page_slots:
                     self._skip_step("groups whose worker block size is not the pool's")
                     continue
-                owners = [self._row_owner(st, rid) for rid in req_ids]
-                pad = self._padding(st)
-                mapping = slot_mappings.get(gid)
-                if mapping is not None:
-                    slots = host_array(mapping).astype(np.int64).copy()
-                    for r in skipped:
-                        slots[starts[r] : starts[r + 1]] = -1
-                    self._spare_cached_rewrites(st, m, scheduler, req_ids, starts, positions, slots)
-                    rows, offsets = owners, starts
-                    if len(slots) > starts[-1]:
-                        rows, offsets = owners + [pad], np.append(starts, len(slots)).astype(np.int32)
-                    verdicts = st.pool.check_slot_mapping(rows, offsets, slots)
-                    for r, v in enumerate(verdicts):
-                        who = req_ids[r] if r < num_reqs else "the step's padding tokens"
-                        self._note(v, f"the KV store writes slot_mapping row {r} (group {gid})", None, None, who)
-                if self._slot_exact(st, m):
-                    blocks = host_array(table.get_device_tensor(num_reqs_padded)).astype(np.int32)
-                    lens = host_array(runner.seq_lens[:num_reqs_padded]).astype(np.int32)
-                    lens[skipped] = 0
-                    rows = owners + [pad] * (num_reqs_padded - num_reqs)
-                    verdicts = st.pool.check_block_table(rows, blocks, blocks.shape[1], lens)
-                    for r, v in enumerate(verdicts):
-                        who = req_ids[r] if r < num_reqs else "a padding row"
-                        self._note(v, f"attention reads block table row {r} (group {gid})", None, None, who)
+                try:
+                    self._check_group(
+                        st, m, gid, runner, scheduler, req_ids, num_reqs_padded, starts, positions, skipped,
+                        slot_mappings.get(gid),
+                    )
+                except KvsanError as e:
+                    # A buffer the kernels could not use as it is (an entry
+                    # past the pool, offsets going backwards): kvsan names it.
+                    self.violations.append(Finding("bad-batch", "-", f"group {gid}: {e.message}", None, None))
                 checked = True
             if checked:
                 self.checked_steps += 1
+
+    def _check_group(
+        self,
+        st: _PoolState,
+        m: Any,
+        gid: int,
+        runner: Any,
+        scheduler: Any,
+        req_ids: list[str],
+        num_reqs_padded: int,
+        starts: Any,
+        positions: Any,
+        skipped: list[int],
+        mapping: Any,
+    ) -> None:
+        """:meth:`check_runner_step` for KV cache group ``gid`` (manager
+        ``m``): its slot mapping, then its block table."""
+        import numpy as np
+
+        num_reqs = len(req_ids)
+        owners = [self._row_owner(st, rid) for rid in req_ids]
+        pad = self._padding(st)
+        if mapping is not None:
+            slots = host_array(mapping).astype(np.int64).copy()
+            for r in skipped:
+                slots[starts[r] : starts[r + 1]] = -1
+            self._spare_cached_rewrites(st, m, scheduler, req_ids, starts, positions, slots)
+            rows, offsets = owners, starts
+            if len(slots) > starts[-1]:
+                rows, offsets = owners + [pad], np.append(starts, len(slots)).astype(np.int32)
+            verdicts = st.pool.check_slot_mapping(rows, offsets, slots)
+            for r, v in enumerate(verdicts):
+                who = req_ids[r] if r < num_reqs else "the step's padding tokens"
+                self._note(v, f"the KV store writes slot_mapping row {r} (group {gid})", None, None, who)
+        if self._slot_exact(st, m):
+            blocks = host_array(runner.input_batch.block_table[gid].get_device_tensor(num_reqs_padded))
+            blocks = blocks.astype(np.int32)
+            lens = host_array(runner.seq_lens[:num_reqs_padded]).astype(np.int32)
+            lens[skipped] = 0
+            rows = owners + [pad] * (num_reqs_padded - num_reqs)
+            verdicts = st.pool.check_block_table(rows, blocks, blocks.shape[1], lens)
+            for r, v in enumerate(verdicts):
+                who = req_ids[r] if r < num_reqs else "a padding row"
+                self._note(v, f"attention reads block table row {r} (group {gid})", None, None, who)
 
     def _row_owner(self, st: _PoolState, rid: str) -> Owner:
         """The request of a batch row: the scheduler's, else (a row of a
