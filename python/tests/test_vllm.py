@@ -358,3 +358,25 @@ def test_a_block_its_caller_took_for_a_request_is_that_requests(adapter: Any, fo
     group.req_to_blocks["r"] = group.req_to_blocks["a"][-1:]
     group.free("r")
     assert "foreign-free" in take(adapter, found)
+
+
+def test_without_the_model_runner_the_scheduler_side_is_still_attached(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import vllm.v1.worker
+
+    # A vLLM build or platform whose model runner does not import.
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)
+    monkeypatch.delattr(vllm.v1.worker, "gpu_model_runner", raising=False)
+    a = kvsan.vllm.Adapter(kvsan.attach())
+    a.attach()
+    try:
+        [reason] = a.unchecked_steps
+        assert reason.startswith("the model runner did not import (ModuleNotFoundError: ")
+        m = manager()
+        r = request("r", PROMPT)
+        schedule(m, r)
+        finish(m, r)
+        assert a.events > 0 and a.violations == []
+    finally:
+        a.detach()

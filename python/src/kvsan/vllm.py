@@ -255,7 +255,8 @@ class Adapter(Hooks):
                     self._wrap(cls, name, self._on_pop_for_free)
         try:
             from vllm.v1.worker import gpu_model_runner as gmr
-        except ImportError:  # a vLLM build without the GPU model runner
+        except Exception as e:  # a vLLM build or platform without it
+            self.unchecked_steps[f"the model runner did not import ({type(e).__name__}: {e})"] = 0
             return self
         self._wrap(gmr.GPUModelRunner, "_build_attention_metadata", self._on_attention_metadata)
         self._build_metadata = inspect.signature(vars(gmr.GPUModelRunner)["_build_attention_metadata"].__wrapped__)
