@@ -165,26 +165,39 @@ class Engine:
     def prepare(self, out: Any, pad_to: int | None = None) -> None:
         """The runner prepares step ``out`` as ``execute_model`` does, up to
         the forward."""
+        if out.total_num_scheduled_tokens:
+            by_group = self.inputs(out, pad_to)
+            self.metadata(out, self.runner.input_batch.num_reqs, by_group)
+
+    def inputs(self, out: Any, pad_to: int | None = None) -> dict[int, Any]:
+        """The runner's inputs for ``out`` (its state, positions and slot
+        mappings, padded to ``pad_to`` tokens): the slot mappings by group."""
         runner = self.runner
         with set_current_vllm_config(self.scheduler.vllm_config):
             runner._update_states(out)
+            num_reqs = runner.input_batch.num_reqs
+            runner._prepare_inputs(out, self.tokens(out))
             n = out.total_num_scheduled_tokens
-            if n:
-                num_reqs = runner.input_batch.num_reqs
-                ids = runner.input_batch.req_ids
-                tokens = np.array([out.num_scheduled_tokens[i] for i in ids], dtype=np.int32)
-                runner._prepare_inputs(out, tokens)
-                padded = pad_to or n
-                by_group, _ = runner._get_slot_mappings(
-                    num_tokens_padded=padded, num_reqs_padded=num_reqs, num_tokens_unpadded=n
-                )
-                runner._build_attention_metadata(
-                    num_tokens=n,
-                    num_reqs=num_reqs,
-                    max_query_len=int(tokens.max()),
-                    num_scheduled_tokens=out.num_scheduled_tokens,
-                    slot_mappings=by_group,
-                )
+            by_group, _ = runner._get_slot_mappings(
+                num_tokens_padded=pad_to or n, num_reqs_padded=num_reqs, num_tokens_unpadded=n
+            )
+        return by_group
+
+    def metadata(self, out: Any, num_reqs: int, by_group: dict[int, Any]) -> None:
+        """The attention metadata for ``out``, over ``num_reqs`` rows."""
+        with set_current_vllm_config(self.scheduler.vllm_config):
+            self.runner._build_attention_metadata(
+                num_tokens=out.total_num_scheduled_tokens,
+                num_reqs=num_reqs,
+                max_query_len=int(self.tokens(out).max()),
+                num_scheduled_tokens=out.num_scheduled_tokens,
+                slot_mappings=by_group,
+            )
+
+    def tokens(self, out: Any) -> Any:
+        """The tokens ``out`` schedules for each row of the input batch."""
+        ids = self.runner.input_batch.req_ids
+        return np.array([out.num_scheduled_tokens[i] for i in ids], dtype=np.int32)
 
     def report(self, out: Any, eos: frozenset[str] = frozenset()) -> ModelRunnerOutput:
         """The worker's output for ``out``: token 0 for each request past
@@ -460,34 +473,15 @@ def test_a_slot_past_the_pool_is_named_and_the_step_goes_on(
     assert "group 0" in found[0].what and "row 0: page index 31250 is outside the pool" in found[0].what
 
 
-def prepare_a_batch_of_two(engine: Engine) -> tuple[Any, dict[int, Any]]:
-    """A batch of two requests prepared up to its attention metadata."""
-    engine.add(requests(("A", 40, 2), ("B", 40, 2)))
-    out = engine.scheduler.schedule()
-    runner = engine.runner
-    with set_current_vllm_config(engine.scheduler.vllm_config):
-        runner._update_states(out)
-        tokens = np.array([out.num_scheduled_tokens[i] for i in runner.input_batch.req_ids], dtype=np.int32)
-        runner._prepare_inputs(out, tokens)
-        n = out.total_num_scheduled_tokens
-        by_group, _ = runner._get_slot_mappings(num_tokens_padded=n, num_reqs_padded=2, num_tokens_unpadded=n)
-    return out, by_group
-
-
 def test_a_dummy_run_and_rows_without_requests_are_counted_not_checked(distributed: None, adapter: Any) -> None:
     engine = Engine(adapter)
-    out, by_group = prepare_a_batch_of_two(engine)
+    engine.add(requests(("A", 40, 2), ("B", 40, 2)))
+    out = engine.scheduler.schedule()
+    by_group = engine.inputs(out)
     runner = engine.runner
 
     def build(num_reqs: int) -> None:
-        with set_current_vllm_config(engine.scheduler.vllm_config):
-            runner._build_attention_metadata(
-                num_tokens=out.total_num_scheduled_tokens,
-                num_reqs=num_reqs,
-                max_query_len=40,
-                num_scheduled_tokens=out.num_scheduled_tokens,
-                slot_mappings=by_group,
-            )
+        engine.metadata(out, num_reqs, by_group)
 
     # A dummy batch (profiling, warm-up, an idle data-parallel rank) goes
     # through GPUModelRunner._dummy_run, whose rows are no request's.

@@ -485,7 +485,7 @@ class Adapter(Hooks):
                 if b.ref is None:
                     continue
                 n = self._holder_letting_go(st, b, cur, blk.ref_cnt)
-                if cur is not None and b.unclaimed and len(b.holders) == 1 and b.known == b.holders != [n]:
+                if cur is not None and b.unclaimed and len(b.holders) == 1 and b.known == b.holders and n not in b.holders:
                     # The request was handed the block by whoever took it.
                     self._claim(st, b, n)
                 if n not in b.holders and blk.ref_cnt > len(b.holders):
@@ -1020,32 +1020,35 @@ class Adapter(Hooks):
     ) -> None:
         """Leaves out of ``slots`` a request's recomputation of tokens into
         a block the prefix cache holds under that block's own hash (see the
-        module's doc), unless strict."""
+        module's doc), unless strict. Only the tokens whose slot lies in a
+        cached block are looked at one by one."""
+        import numpy as np
+
         if self.strict_cached_rewrites:
             return
         size = m.block_size
+        cached = [n for n, b in st.blocks.items() if b.cache_held]
+        n_tokens = int(starts[-1])
+        if not cached or n_tokens == 0:
+            return
+        real = slots[:n_tokens]
+        hits = np.flatnonzero((real >= 0) & np.isin(real // size, cached))
         every = m.block_pool.blocks
-        for r, rid in enumerate(req_ids):
-            request = scheduler.requests.get(rid)
-            hashes = getattr(request, "block_hashes", None) or []
+        for t in hits:
+            r = int(np.searchsorted(starts, t, side="right")) - 1
+            rid = req_ids[r]
+            hashes = getattr(scheduler.requests.get(rid), "block_hashes", None) or []
             table = m.req_to_blocks.get(rid) or []
-            for t in range(int(starts[r]), int(starts[r + 1])):
-                s = int(slots[t])
-                if s < 0:
-                    continue
-                block, i = s // size, int(positions[t]) // size
-                b = st.blocks.get(block)
-                if b is None or not b.cache_held or not 0 <= block < len(every):
-                    continue
-                key = every[block].block_hash
-                if (
-                    key is not None
-                    and i < len(hashes)
-                    and i < len(table)
-                    and table[i].block_id == block
-                    and _hash_of(key) == hashes[i]
-                ):
-                    slots[t] = -1
+            block, i = int(real[t]) // size, int(positions[t]) // size
+            key = every[block].block_hash if 0 <= block < len(every) else None
+            if (
+                key is not None
+                and i < len(hashes)
+                and i < len(table)
+                and table[i].block_id == block
+                and _hash_of(key) == hashes[i]
+            ):
+                slots[t] = -1
 
     def _skip_step(self, reason: str) -> None:
         self.unchecked_steps[reason] = self.unchecked_steps.get(reason, 0) + 1
