@@ -10,16 +10,12 @@ loads finished or failed.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Iterator
 
 import pytest
+from vllm_support import vllm_test_helpers
 
-pytest.importorskip("vllm.v1.core.sched.scheduler")
-if not os.environ.get("VLLM_SRC"):
-    pytest.skip("needs vLLM's test helpers: VLLM_SRC (bash scripts/vllm-tests setup)", allow_module_level=True)
-sys.path.insert(0, os.environ["VLLM_SRC"])
+vllm_test_helpers("vllm.v1.core.sched.scheduler")
 
 from tests.v1.kv_connector.unit.utils import (  # noqa: E402
     create_mock_connector,

@@ -17,34 +17,24 @@ is the one vLLM's kernel wrote.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import tempfile
 from typing import Any, Iterator
 
 import pytest
+from vllm_support import gloo_group, vllm_test_helpers
 
 if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("CUDA_VISIBLE_DEVICES") != "":
     pytest.skip(
         "runs vLLM's Triton kernel on the CPU: TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= (scripts/vllm-tests run)",
         allow_module_level=True,
     )
-pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-if not os.environ.get("VLLM_SRC"):
-    pytest.skip("needs vLLM's test helpers: VLLM_SRC (bash scripts/vllm-tests setup)", allow_module_level=True)
-sys.path.insert(0, os.environ["VLLM_SRC"])
+vllm_test_helpers("vllm.v1.worker.gpu_model_runner")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tests.v1.core.utils import EOS_TOKEN_ID, create_requests, create_scheduler  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
-from vllm.distributed.parallel_state import (  # noqa: E402
-    init_distributed_environment,
-    initialize_model_parallel,
-)
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -68,21 +58,8 @@ BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def distributed() -> Iterator[None]:
-    """One-process gloo group, as vLLM's ``dist_init`` fixture makes."""
-    fd, path = tempfile.mkstemp()
-    os.close(fd)
-    scheduler = create_scheduler(num_blocks=BLOCKS, block_size=BLOCK)
-    with set_current_vllm_config(scheduler.vllm_config):
-        init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method=f"file://{path}", local_rank=0, backend="gloo"
-        )
-        initialize_model_parallel(1, 1)
-    try:
+    with gloo_group(create_scheduler(num_blocks=BLOCKS, block_size=BLOCK).vllm_config):
         yield
-    finally:
-        cleanup_dist_env_and_memory()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 @pytest.fixture(autouse=True)

@@ -69,6 +69,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     tr.write_line(f"  {_adapter.checked_steps} model runner step(s) checked (slot mappings, block tables)")
     for reason, n in sorted(_adapter.unchecked_steps.items()):
         tr.write_line(f"  {n} model runner step(s) left unchecked: {reason}")
+    tr.write_line(f"  {_adapter.checked_transfers} NIXL READ(s) checked (descriptors: destination and source blocks)")
+    for reason, n in sorted(_adapter.unchecked_transfers.items()):
+        tr.write_line(f"  {n} NIXL transfer(s) left unchecked: {reason}")
     for nodeid in _failed:
         tr.write_line(f"  violations in {nodeid}")
     tr.write_line(_adapter.san.summary())

@@ -38,7 +38,21 @@ the model runner's step                     the KV store's ``slot_mapping``
 linked by :meth:`Adapter.watch_runner`)     (padding: a holder of nothing),
                                             then the block table rows up to
                                             ``seq_lens`` as their reads
+a NIXL worker's READ (``make_prepped_xfer``  the blocks its descriptors' bytes
+with the descriptors of ``_read_blocks``)   lie in: the destination must be
+                                            the reading request's; the source
+                                            (a producer in this process) what
+                                            its request handed out, still
+                                            held
+NIXL reports the READ done                  ``write`` of the load's tokens in
+(``check_xfer_state``)                      the slots the request's READs
+                                            cover (the scheduler's
+                                            ``finished_recving`` then marks
+                                            nothing)
 ==========================================  ==================================
+
+The NIXL side is :mod:`kvsan._vllm_nixl`'s (what it maps and what it
+leaves unchecked is in its doc).
 
 A request recomputing tokens into a block the prefix cache holds, under
 that block's own hash (the same tokens' KV at the same positions, as vLLM
@@ -92,6 +106,7 @@ from typing import Any, Callable, Iterator
 
 from ._abi import PREFIX_CACHE_REQUEST, Owner, PageRef
 from ._hooks import Finding, Hooks, host_array, subclasses
+from ._vllm_nixl import NixlReads
 from .sanitizer import KvsanError, Pool, Sanitizer, attach as attach_sanitizer
 
 __all__ = ["Adapter", "Finding", "attach"]
@@ -159,7 +174,7 @@ class _PoolState:
         return b
 
 
-class Adapter(Hooks):
+class Adapter(NixlReads, Hooks):
     """kvsan attached to vLLM's KV cache manager (see the module's doc)."""
 
     engine = "vllm"
@@ -211,6 +226,7 @@ class Adapter(Hooks):
         #: left unchecked by the reason.
         self.checked_steps = 0
         self.unchecked_steps: dict[str, int] = {}
+        self._nixl_init()
 
     # ---- attaching ----------------------------------------------------------
 
@@ -239,6 +255,7 @@ class Adapter(Hooks):
         self._wrap(sch.Scheduler, "schedule", self._on_schedule)
         self._wrap(sch.Scheduler, "update_from_output", self._on_worker_output)
         self._wrap(sch.Scheduler, "_connector_finished", self._on_connector_finished)
+        self._attach_nixl()
         for cls in subclasses(kc.KVCacheCoordinator):
             if "allocate_new_blocks" in vars(cls):
                 self._wrap(cls, "allocate_new_blocks", self._on_allocate_new_blocks)
@@ -632,6 +649,7 @@ class Adapter(Hooks):
         scheduling), so scheduling a new one means the older ones are
         done, reported or not (a test may skip a report)."""
         kvm = sched.kv_cache_manager
+        self._note_engine(sched)
         async_sched = any(c.__name__ == "AsyncScheduler" for c in type(sched).__mro__)
         depth = max(int(getattr(sched.vllm_config, "max_concurrent_batches", 1) or 1), 2 if async_sched else 1)
         with self._lock:
@@ -729,8 +747,10 @@ class Adapter(Hooks):
         tokens = params.get("remote_num_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             tokens = request.num_computed_tokens
+        self._note_engine(sched)
         with self._lock:
             reads: list[tuple[_PoolState, Owner, list[PageRef], int]] = []
+            handoff: dict[int, tuple[_PoolState, Owner, PageRef, int]] = {}
             for i, m in enumerate(sched.kv_cache_manager.coordinator.single_type_managers):
                 st = self._state(m.block_pool)
                 if st is None or not self._slot_exact(st, m):
@@ -747,7 +767,14 @@ class Adapter(Hooks):
                 n_read = min(tokens, len(blocks) * m.block_size)
                 for _, refs, n in _segments(st, blocks, n_read, m.block_size):
                     reads.append((st, owner, refs, n))
+                if i == 0:
+                    for j, blk in enumerate(blocks):
+                        b = None if blk is None or blk.is_null else st.blocks.get(blk.block_id)
+                        n = min(m.block_size, n_read - j * m.block_size)
+                        if b is not None and b.ref is not None and not b.unchecked and n > 0:
+                            handoff[blk.block_id] = (st, owner, PageRef(b.ref.page, b.ref.generation), n)
             self._sending[request.request_id] = reads
+            self._note_handoff(sched, request.request_id, handoff)
         return out
 
     def _read_load_report(self, sched: Any, report: Any) -> None:
@@ -763,7 +790,11 @@ class Adapter(Hooks):
             if rid not in (getattr(report, "finished_recving", None) or ()):
                 continue
             del self._loading[rid]
-            if rid in failed:
+            landed = rid in self._landing_seen
+            self._load_over(rid)
+            if rid in failed or landed:
+                # Failed: nothing landed. Landed through READs the adapter
+                # checked: they marked what they wrote.
                 continue
             for lo, hi in _ranges_without(managers, rid, start, end, bad):
                 self._write(managers, request, lo, hi)
@@ -841,6 +872,7 @@ class Adapter(Hooks):
         with self._lock:
             # A load still under way when the blocks go never lands in them.
             self._loading.pop(request.request_id, None)
+            self._load_over(request.request_id)
             tenant = self._tenants.pop(request.request_id, 0)
             pools = {id(m.block_pool): m.block_pool for m in kvm.coordinator.single_type_managers}
             for block_pool in pools.values():
