@@ -302,8 +302,81 @@ def test_a_step_writing_positions_whose_block_is_null_is_caught(
     schedule(m, req, 3 * BLOCK - 1)
     schedule(m, req, 1)
     kinds = take(adapter, found)
-    assert kinds == ["foreign-write"], found
-    assert "null block" in found[0].what and found[0].block == m.block_pool.null_block.block_id
+    # The write, and the step's attention then reading the position back.
+    assert kinds == ["foreign-write", "foreign-read"], found
+    assert all("null block" in f.what and f.block == m.block_pool.null_block.block_id for f in found)
+
+
+def test_a_window_that_lets_go_of_a_block_its_attention_still_reads_is_caught(
+    adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A window that skips one block too many once it is past its first
+    # window: the block is freed and its entries become the null block,
+    # while the next query's window still covers its last tokens.
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    def one_block_early(self: Any, n: int) -> int:
+        return n - self.sliding_window + 1 + BLOCK if n >= self.sliding_window else 0
+
+    monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", one_block_early)
+    m = hybrid_manager()
+    req = windowed_past_its_first_blocks(m)
+    schedule(m, req, 1)
+    assert set(take(adapter, found)) == {"foreign-read"}, found
+    assert all("null block in its window" in f.what for f in found)
+
+
+def test_a_window_block_registered_before_its_step_writes_it_is_caught(
+    adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # #37152's class in a hybrid pool: the sliding-window group's blocks
+    # are checked slot by slot too, so the half-written window block is
+    # caught beside the full-attention group's.
+    m = hybrid_manager()
+    real = m.coordinator.cache_blocks
+    monkeypatch.setattr(m.coordinator, "cache_blocks", lambda req, n: real(req, req.num_tokens))
+    a = request("a", PROMPT)
+    schedule(m, a, 20)
+    assert take(adapter, found) == ["unwritten-share", "unwritten-share"], found
+    window = m.coordinator.single_type_managers[1].req_to_blocks["a"][1].block_id
+    assert window in {f.block for f in found}
+
+
+def chunked_manager(num_blocks: int = 24, chunk: int = 2 * BLOCK) -> KVCacheManager:
+    """A full-attention group and a chunked local attention group."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    local = ChunkedLocalAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=chunk
+    )
+    return with_full_attention("local", local, num_blocks)
+
+
+def test_chunked_local_attention_is_checked_slot_by_slot_and_a_clean_run_passes(adapter: Any, found: list[Any]) -> None:
+    m = chunked_manager()
+    req = request("local", list(range(1, 5 * BLOCK + 1)))
+    for n in (3 * BLOCK, BLOCK, 1, BLOCK - 1, 1):
+        schedule(m, req, n)
+    local = m.coordinator.single_type_managers[1].req_to_blocks[req.request_id]
+    assert local[0].is_null and not local[-1].is_null
+    finish(m, req)
+    assert take(adapter, found) == []
+
+
+def test_a_local_chunk_freed_while_its_queries_still_read_it_is_caught(
+    adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunked local attention that lets go of every block before the
+    # current one: the current chunk's first block goes while the chunk's
+    # later queries still attend to it.
+    from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager
+
+    monkeypatch.setattr(ChunkedLocalAttentionManager, "get_num_skipped_tokens", lambda self, n: n // BLOCK * BLOCK)
+    m = chunked_manager()
+    req = request("local", list(range(1, 5 * BLOCK + 1)))
+    schedule(m, req, 3 * BLOCK)
+    schedule(m, req, 1)
+    assert "foreign-read" in take(adapter, found), found
 
 
 def mamba_manager(num_blocks: int = 32) -> KVCacheManager:

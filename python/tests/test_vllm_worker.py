@@ -41,7 +41,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
@@ -89,7 +91,10 @@ class Engine:
         prefix_caching: bool = False,
         batched_tokens: int = 8192,
         async_scheduling: bool = False,
+        window: int | None = None,
     ):
+        """``window``: a second attention layer, with a sliding window of
+        that many tokens, in a KV cache group of its own (a hybrid model)."""
         self.scheduler = create_scheduler(
             num_blocks=BLOCKS,
             block_size=BLOCK,
@@ -102,16 +107,35 @@ class Engine:
         config = self.scheduler.vllm_config
         with set_current_vllm_config(config):
             model = config.model_config
-            heads = model.get_num_kv_heads(config.parallel_config)
-            config.compilation_config.static_forward_context["layer"] = Attention(heads, model.get_head_size(), 0.1)
+            heads, head_size = model.get_num_kv_heads(config.parallel_config), model.get_head_size()
+            layers = config.compilation_config.static_forward_context
+            layers["layer"] = Attention(heads, head_size, 0.1, prefix="layer")
             self.runner = GPUModelRunner(config, torch.device("cpu"))
-            spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=model.get_head_size(), dtype=self.runner.kv_cache_dtype)
+            spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_size, dtype=self.runner.kv_cache_dtype)
+            groups = [KVCacheGroupSpec(layer_names=["layer"], kv_cache_spec=spec)]
+            if window is not None:
+                layers["swa"] = Attention(heads, head_size, 0.1, per_layer_sliding_window=window, prefix="swa")
+                swa = SlidingWindowSpec(
+                    block_size=BLOCK, num_kv_heads=heads, head_size=head_size, dtype=self.runner.kv_cache_dtype, sliding_window=window
+                )
+                groups.append(KVCacheGroupSpec(layer_names=["swa"], kv_cache_spec=swa))
             size = spec.page_size_bytes * BLOCKS
+            names = [g.layer_names[0] for g in groups]
             kv = KVCacheConfig(
                 num_blocks=BLOCKS,
-                kv_cache_tensors=[KVCacheTensor(size=size, layers=["layer"], layer_stride=size, block_stride=spec.page_size_bytes)],
-                kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer"], kv_cache_spec=spec)],
+                kv_cache_tensors=[KVCacheTensor(size=size, layers=names, layer_stride=size, block_stride=spec.page_size_bytes)],
+                kv_cache_groups=groups,
             )
+            if window is not None:
+                # The scheduler of the same engine, over both groups.
+                self.scheduler = type(self.scheduler)(
+                    vllm_config=config,
+                    kv_cache_config=kv,
+                    block_size=BLOCK,
+                    log_stats=True,
+                    structured_output_manager=StructuredOutputManager(config),
+                )
+                self.scheduler.use_v2_model_runner = False
             self.runner.kv_cache_config = kv
             self.runner.input_batch = InputBatch(
                 max_num_reqs=self.runner.max_num_reqs,
@@ -119,11 +143,11 @@ class Engine:
                 max_num_batched_tokens=self.runner.max_num_tokens,
                 device=self.runner.device,
                 vocab_size=model.get_vocab_size(),
-                block_sizes=[BLOCK],
-                max_num_blocks_per_req=[BLOCKS],
+                block_sizes=[BLOCK] * len(groups),
+                max_num_blocks_per_req=[BLOCKS] * len(groups),
             )
             self.runner.initialize_attn_backend(kv)
-            self.runner.initialize_metadata_builders(kv, [BLOCK])
+            self.runner.initialize_metadata_builders(kv, [BLOCK] * len(groups))
         adapter.watch_runner(self.runner, self.scheduler)
 
     def add(self, requests: list[Any]) -> None:
@@ -473,3 +497,53 @@ def test_a_dummy_run_and_rows_without_requests_are_counted_not_checked(distribut
     build(2)  # the same batch, as a step: checked
     assert adapter.checked_steps == 1
     assert kinds(adapter) == []
+
+
+WINDOW = 2 * BLOCK
+
+
+def test_a_windowed_group_is_read_from_its_window_and_a_clean_run_passes(distributed: None, adapter: Any) -> None:
+    # Past its window, a sliding-window group's first blocks are freed (and
+    # taken by the next request) while the runner's block table row keeps
+    # their ids: the kernel reads only the window, and so does the check.
+    engine = Engine(adapter, window=WINDOW)
+    first, second = create_requests(num_requests=2, num_tokens=4 * BLOCK, max_tokens=40, block_size=BLOCK)
+    engine.add([first])
+    for _ in range(3):
+        engine.step()
+    window = engine.scheduler.kv_cache_manager.coordinator.single_type_managers[1]
+    assert window.req_to_blocks[first.request_id][0].is_null
+    engine.add([second])
+    for _ in range(3):
+        engine.step()
+    assert kinds(adapter) == []
+    assert adapter.checked_steps >= 6
+
+
+def test_a_window_block_freed_while_the_kernel_still_reads_it_is_caught(
+    distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The window lets go of one block too early: the scheduler frees it
+    # (and hands it to the next request) while the block table row the
+    # kernel takes still names it inside the window.
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    def one_block_early(self: Any, n: int) -> int:
+        return n - self.sliding_window + 1 + BLOCK if n >= self.sliding_window else 0
+
+    monkeypatch.setattr(SlidingWindowManager, "get_num_skipped_tokens", one_block_early)
+    engine = Engine(adapter, window=WINDOW)
+    first, second = create_requests(num_requests=2, num_tokens=4 * BLOCK, max_tokens=40, block_size=BLOCK)
+    engine.add([first])
+    engine.step()
+    engine.add([second])
+    engine.step()
+    engine.step()
+    found = adapter.take_violations()
+    # The scheduler's side: the step's window holds the null block.
+    assert any(f.kind == "foreign-read" and "null block" in f.what for f in found), found
+    # The kernel's side: the row still names the freed block there, which
+    # the pool has handed out again (here to the same request's other
+    # group, whose KV it now holds): a read of slots no one wrote for it.
+    worker = [f for f in found if "attention reads block table row" in f.what]
+    assert worker and {f.kind for f in worker} <= {"stale-read", "foreign-read", "read-free-page"}, found

@@ -67,13 +67,18 @@ kvsan's default isolation policy is vLLM's salt isolation.
 
 What is checked, and what is not:
 
-* full-attention groups (``FullAttentionManager``, ``SinkFullAttentionManager``)
-  whose block size is the hash block size: every written slot and every
-  read;
-* other groups on such a pool (sliding window, chunked local, cross
-  attention, Mamba state groups) keep their blocks' allocation, sharing
-  and freeing checked, but their blocks count as written whole when taken
-  and their reads are not checked;
+* full-attention, sliding-window and chunked-local groups
+  (``FullAttentionManager``, ``SinkFullAttentionManager``,
+  ``SlidingWindowManager``, ``ChunkedLocalAttentionManager``) whose block
+  size is the hash block size: every written slot and every read; a
+  windowed group is read from the step's first query's window on (the
+  window and the chunk from the group's spec, not from the blocks vLLM
+  let go of), and a position in that window whose block is the null
+  block is a read of it;
+* other groups on such a pool (cross attention, Mamba state groups, ring
+  buffers) keep their blocks' allocation, sharing and freeing checked,
+  but their blocks count as written whole when taken and their reads are
+  not checked;
 * vLLM's null block is held by a holder of its own: a step computing
   positions whose block (in any KV group of a checked pool) is the null
   block writes into a page it does not own (a state group's step writes
@@ -116,7 +121,8 @@ _IN_FLIGHT = "rows of requests finished while their step was in flight"
 
 # The kinds of manager whose blocks hold one token per slot and whose
 # attention reads every token before the current one.
-_TOKEN_MANAGERS = ("FullAttentionManager", "SinkFullAttentionManager")
+_WINDOWED_MANAGERS = ("SlidingWindowManager", "ChunkedLocalAttentionManager")
+_TOKEN_MANAGERS = ("FullAttentionManager", "SinkFullAttentionManager", *_WINDOWED_MANAGERS)
 
 
 @dataclass
@@ -627,7 +633,7 @@ class Adapter(NixlReads, Hooks):
             self._loading[request.request_id] = (local, total, set())
         if out is not None and num_new_tokens > 0:
             with self._lock:
-                self._read(kvm, request.request_id, total + num_new_tokens)
+                self._read(kvm, request.request_id, total, total + num_new_tokens)
         return out
 
     def _on_allocate_new_blocks(self, original: Callable[..., Any], coord: Any, request_id: str, *a: Any, **kw: Any) -> Any:
@@ -856,14 +862,25 @@ class Adapter(NixlReads, Hooks):
                 if writes is not None and v.ok:
                     writes.append(_StepWrite(st, blk.block_id, PageRef(b.ref.page, b.ref.generation), owner, rid, (lo, hi)))
 
-    def _read(self, kvm: Any, rid: str, tokens: int) -> None:
+    def _read(self, kvm: Any, rid: str, first_query: int, tokens: int) -> None:
+        """The step's attention, for queries at ``first_query..tokens``,
+        reads its block table: from token 0 in a full-attention group; in
+        a sliding-window or chunked-local group from the first query's
+        window (from the group's spec, not from the blocks vLLM let go of):
+        a position there whose block is the null block is a read of it."""
         for m in kvm.coordinator.single_type_managers:
             st = self._state(m.block_pool)
             if st is None or not self._slot_exact(st, m):
                 continue
             owner = self._owner(st, rid)
-            blocks = (m.req_to_blocks.get(rid) or [])[: -(-tokens // m.block_size)]
-            for first, refs, n in _segments(st, blocks, tokens, m.block_size):
+            size = m.block_size
+            start = _window_start(m, first_query) // size
+            blocks = (m.req_to_blocks.get(rid) or [])[: -(-tokens // size)]
+            if st.null is not None and any(blk.is_null for blk in blocks[start:]):
+                n = min(tokens - start * size, size)
+                v = st.pool.read(owner, [st.null[1]], n)
+                self._note(v, "the step's attention reads vLLM's null block in its window", m.block_pool.null_block.block_id, owner.request)
+            for first, refs, n in _segments(st, blocks[start:], tokens - start * size, size):
                 v = st.pool.read(owner, refs, n)
                 self._note(v, "the step's attention reads its block table", first, owner.request)
 
@@ -931,8 +948,9 @@ class Adapter(NixlReads, Hooks):
         store kernel's, −1 for padding) as each row's request's writes —
         tokens past the last row are padding, stored by no request, so a
         slot there other than −1 writes a page its holder did not give —
-        and, for full-attention groups, each row of the block table up to
-        its ``seq_lens`` as its request's read. Row ``r`` is the request
+        and each row of the block table up to its ``seq_lens`` as its
+        request's read (in a sliding-window or local-chunk group, from the
+        row's first query's window on). Row ``r`` is the request
         ``input_batch.req_ids[r]``. :meth:`attach` calls this from
         ``GPUModelRunner._build_attention_metadata``, once the buffers the
         metadata builders got are final."""
@@ -1023,6 +1041,15 @@ class Adapter(NixlReads, Hooks):
             blocks = blocks.astype(np.int32)
             lens = host_array(runner.seq_lens[:num_reqs_padded]).astype(np.int32)
             lens[skipped] = 0
+            if type(m).__name__ in _WINDOWED_MANAGERS:
+                # A sliding-window or local-chunk group: each row is read
+                # from its first query's window on (the entries before it
+                # are the null block by design); one in the window is not.
+                size = m.block_size
+                for r in range(num_reqs):
+                    k = min(_window_start(m, int(positions[starts[r]])) // size, blocks.shape[1]) if starts[r + 1] > starts[r] else 0
+                    blocks[r] = np.roll(blocks[r], -k)
+                    lens[r] = max(0, lens[r] - k * size)
             rows = owners + [pad] * (num_reqs_padded - num_reqs)
             verdicts = st.pool.check_block_table(rows, blocks, blocks.shape[1], lens)
             for r, v in enumerate(verdicts):
@@ -1103,6 +1130,19 @@ def _segments(st: _PoolState, blocks: list[Any], tokens: int, size: int) -> Iter
         run.append(b.ref)
     if run:
         yield first, run, tokens - start
+
+
+def _window_start(manager: Any, first_query: int) -> int:
+    """The first token a query at ``first_query`` attends to in the
+    manager's group: the sliding window's (its trailing edge) or the local
+    chunk's start; 0 for full attention."""
+    kind = type(manager).__name__
+    if kind == _WINDOWED_MANAGERS[0]:
+        return max(0, first_query - int(manager.sliding_window) + 1)
+    if kind == _WINDOWED_MANAGERS[1]:
+        chunk = int(manager.attention_chunk_size)
+        return first_query // chunk * chunk
+    return 0
 
 
 def _block_id_groups(ids: Any) -> list[list[int]] | None:
