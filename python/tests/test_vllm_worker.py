@@ -41,8 +41,11 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
 )
+from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher  # noqa: E402
@@ -82,6 +85,21 @@ def adapter() -> Iterator[kvsan.vllm.Adapter]:
     a.detach()
 
 
+class TinyMamba(torch.nn.Module, MambaBase):
+    """A Mamba layer as the runner sees one: its state's shape and type,
+    and vLLM's Mamba1 backend (whose metadata builder runs on the CPU)."""
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return ((1, 1),)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32,)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.MAMBA1
+
+
 class Engine:
     """A vLLM scheduler and a model runner on the CPU for its steps."""
 
@@ -92,9 +110,11 @@ class Engine:
         batched_tokens: int = 8192,
         async_scheduling: bool = False,
         window: int | None = None,
+        mamba: bool = False,
     ):
         """``window``: a second attention layer, with a sliding window of
-        that many tokens, in a KV cache group of its own (a hybrid model)."""
+        that many tokens, in a KV cache group of its own (a hybrid model);
+        ``mamba``: a Mamba layer's state group beside the attention."""
         self.scheduler = create_scheduler(
             num_blocks=BLOCKS,
             block_size=BLOCK,
@@ -119,6 +139,22 @@ class Engine:
                     block_size=BLOCK, num_kv_heads=heads, head_size=head_size, dtype=self.runner.kv_cache_dtype, sliding_window=window
                 )
                 groups.append(KVCacheGroupSpec(layer_names=["swa"], kv_cache_spec=swa))
+            if mamba:
+                # State blocks of the attention's block size, one per block
+                # boundary (vLLM's "align" mode; in "none" mode a state
+                # block spans the whole model length, and such pools are
+                # left unchecked).
+                config.cache_config.mamba_cache_mode = "align"
+                layers["mamba"] = TinyMamba()
+                state = MambaSpec(
+                    block_size=BLOCK,
+                    shapes=tuple(layers["mamba"].get_state_shape()),
+                    dtypes=layers["mamba"].get_state_dtype(),
+                    mamba_type=layers["mamba"].mamba_type,
+                    mamba_cache_mode="align",
+                    page_size_padded=spec.page_size_bytes,
+                )
+                groups.append(KVCacheGroupSpec(layer_names=["mamba"], kv_cache_spec=state))
             size = spec.page_size_bytes * BLOCKS
             names = [g.layer_names[0] for g in groups]
             kv = KVCacheConfig(
@@ -126,8 +162,8 @@ class Engine:
                 kv_cache_tensors=[KVCacheTensor(size=size, layers=names, layer_stride=size, block_stride=spec.page_size_bytes)],
                 kv_cache_groups=groups,
             )
-            if window is not None:
-                # The scheduler of the same engine, over both groups.
+            if len(groups) > 1:
+                # The scheduler of the same engine, over every group.
                 self.scheduler = type(self.scheduler)(
                     vllm_config=config,
                     kv_cache_config=kv,
@@ -154,23 +190,24 @@ class Engine:
         for r in requests:
             self.scheduler.add_request(r)
 
-    def step(self, pad_to: int | None = None) -> Any:
+    def step(self, pad_to: int | None = None, pad_reqs: int | None = None) -> Any:
         """One step: scheduled, prepared by the runner as ``execute_model``
         prepares it, and reported back (each request that finished its
         prompt samples token 0)."""
         out = self.scheduler.schedule()
-        self.prepare(out, pad_to)
+        self.prepare(out, pad_to, pad_reqs)
         self.scheduler.update_from_output(out, self.report(out))
         return out
 
-    def prepare(self, out: Any, pad_to: int | None = None) -> None:
+    def prepare(self, out: Any, pad_to: int | None = None, pad_reqs: int | None = None) -> None:
         """The runner prepares step ``out`` as ``execute_model`` does, up to
-        the forward."""
+        the forward (with ``pad_reqs``: a batch padded to that many rows, as
+        for a CUDA graph)."""
         if out.total_num_scheduled_tokens:
-            by_group = self.inputs(out, pad_to)
-            self.metadata(out, self.runner.input_batch.num_reqs, by_group)
+            by_group = self.inputs(out, pad_to, pad_reqs)
+            self.metadata(out, self.runner.input_batch.num_reqs, by_group, pad_to, pad_reqs)
 
-    def inputs(self, out: Any, pad_to: int | None = None) -> dict[int, Any]:
+    def inputs(self, out: Any, pad_to: int | None = None, pad_reqs: int | None = None) -> dict[int, Any]:
         """The runner's inputs for ``out`` (its state, positions and slot
         mappings, padded to ``pad_to`` tokens): the slot mappings by group."""
         runner = self.runner
@@ -180,20 +217,26 @@ class Engine:
             runner._prepare_inputs(out, self.tokens(out))
             n = out.total_num_scheduled_tokens
             by_group, _ = runner._get_slot_mappings(
-                num_tokens_padded=pad_to or n, num_reqs_padded=num_reqs, num_tokens_unpadded=n
+                num_tokens_padded=pad_to or n, num_reqs_padded=pad_reqs or num_reqs, num_tokens_unpadded=n
             )
         return by_group
 
-    def metadata(self, out: Any, num_reqs: int, by_group: dict[int, Any]) -> None:
-        """The attention metadata for ``out``, over ``num_reqs`` rows."""
+    def metadata(
+        self, out: Any, num_reqs: int, by_group: dict[int, Any], pad_to: int | None = None, pad_reqs: int | None = None
+    ) -> Any:
+        """The attention metadata for ``out``, over ``num_reqs`` rows (by
+        layer)."""
         with set_current_vllm_config(self.scheduler.vllm_config):
-            self.runner._build_attention_metadata(
+            by_layer, _ = self.runner._build_attention_metadata(
                 num_tokens=out.total_num_scheduled_tokens,
                 num_reqs=num_reqs,
                 max_query_len=int(self.tokens(out).max()),
+                num_tokens_padded=pad_to,
+                num_reqs_padded=pad_reqs,
                 num_scheduled_tokens=out.num_scheduled_tokens,
                 slot_mappings=by_group,
             )
+        return by_layer
 
     def tokens(self, out: Any) -> Any:
         """The tokens ``out`` schedules for each row of the input batch."""
@@ -547,3 +590,40 @@ def test_a_window_block_freed_while_the_kernel_still_reads_it_is_caught(
     # group, whose KV it now holds): a read of slots no one wrote for it.
     worker = [f for f in found if "attention reads block table row" in f.what]
     assert worker and {f.kind for f in worker} <= {"stale-read", "foreign-read", "read-free-page"}, found
+
+
+def test_mamba_state_slots_of_a_padded_batch_are_checked_and_clean(distributed: None, adapter: Any) -> None:
+    # Two requests through prompt and decode, the decode batch padded to
+    # four rows (a CUDA graph's size): the padding rows name vLLM's null
+    # block, each request its own state block.
+    engine = Engine(adapter, mamba=True)
+    engine.add(create_requests(num_requests=2, num_tokens=40, max_tokens=8, block_size=BLOCK))
+    engine.step()  # align mode: the prompts up to their first block boundary
+    engine.step()  # and the rest of them
+    for _ in range(3):
+        engine.step(pad_to=4, pad_reqs=4)
+    assert kinds(adapter) == []
+    assert adapter.checked_steps == 5
+
+
+def test_a_padding_row_naming_a_live_state_slot_is_caught(
+    distributed: None, adapter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The class (sglang#36885, vllm#53919): the rows a CUDA graph pads a
+    # batch with name a state slot that is a live request's, so the
+    # padding's state update lands in that request's running state. Here
+    # the runner fills the padding rows of the block tables with the first
+    # request's state block instead of the null block.
+    from vllm.v1.worker import gpu_model_runner
+
+    engine = Engine(adapter, mamba=True)
+    first, second = create_requests(num_requests=2, num_tokens=40, max_tokens=8, block_size=BLOCK)
+    engine.add([first, second])
+    engine.step()
+    engine.step()
+    state = engine.scheduler.kv_cache_manager.coordinator.single_type_managers[1].req_to_blocks[first.request_id][-1]
+    monkeypatch.setattr(gpu_model_runner, "NULL_BLOCK_ID", state.block_id)
+    engine.step(pad_to=4, pad_reqs=4)
+    found = adapter.take_violations()
+    assert {f.kind for f in found} == {"foreign-write"}, found
+    assert all(f.request == "a padding row" and "state_indices" in f.what for f in found), found

@@ -38,6 +38,10 @@ the model runner's step                     the KV store's ``slot_mapping``
 linked by :meth:`Adapter.watch_runner`)     (padding: a holder of nothing),
                                             then the block table rows up to
                                             ``seq_lens`` as their reads
+the same step, for a Mamba state group       the state slots its metadata
+                                            names (``state_indices_tensor_d``
+                                            and ``_p``) as its rows' writes;
+                                            a padding row names none
 a NIXL worker's READ (``make_prepped_xfer``  the blocks its descriptors' bytes
 with the descriptors of ``_read_blocks``)   lie in: the destination must be
                                             the reading request's; the source
@@ -937,11 +941,18 @@ class Adapter(NixlReads, Hooks):
             args["num_reqs"],
             args.get("num_reqs_padded") or args["num_reqs"],
             args.get("slot_mappings") or {},
+            out[0] if isinstance(out, tuple) and out and isinstance(out[0], dict) else None,
         )
         return out
 
     def check_runner_step(
-        self, runner: Any, scheduler: Any, num_reqs: int, num_reqs_padded: int, slot_mappings: dict[int, Any]
+        self,
+        runner: Any,
+        scheduler: Any,
+        num_reqs: int,
+        num_reqs_padded: int,
+        slot_mappings: dict[int, Any],
+        attn_metadata: dict[str, Any] | None = None,
     ) -> None:
         """Checks one step of ``runner`` as its kernels take it, for each KV
         cache group on a checked pool: the group's ``slot_mapping`` (the KV
@@ -953,7 +964,9 @@ class Adapter(NixlReads, Hooks):
         row's first query's window on). Row ``r`` is the request
         ``input_batch.req_ids[r]``. :meth:`attach` calls this from
         ``GPUModelRunner._build_attention_metadata``, once the buffers the
-        metadata builders got are final."""
+        metadata builders got are final. For a Mamba state group, the state
+        slots its kernels take (``attn_metadata``, the builders' output by
+        layer: see :meth:`_check_state_group`)."""
         import numpy as np
 
         from vllm.v1.worker.block_table import SlotMappingMode
@@ -985,6 +998,9 @@ class Adapter(NixlReads, Hooks):
                 if st is None:
                     continue
                 table = runner.input_batch.block_table[gid]
+                if _state_group(m):
+                    checked |= self._check_state_group(st, gid, runner, req_ids, skipped, attn_metadata or {})
+                    continue
                 if table.slot_mapping_mode != SlotMappingMode.TOKEN_TO_KV_SLOT:
                     continue
                 if table.block_size != m.block_size or m.block_size != st.page_slots:
@@ -1055,6 +1071,59 @@ class Adapter(NixlReads, Hooks):
             for r, v in enumerate(verdicts):
                 who = req_ids[r] if r < num_reqs else "a padding row"
                 self._note(v, f"attention reads block table row {r} (group {gid})", None, None, who)
+
+    def _check_state_group(
+        self, st: _PoolState, gid: int, runner: Any, req_ids: list[str], skipped: list[int], attn_metadata: dict[str, Any]
+    ) -> bool:
+        """The state slots a Mamba group's kernels read and update in place
+        this step: the group's metadata (``state_indices_tensor_d`` for the
+        decode rows, then ``state_indices_tensor_p`` for the prefill rows,
+        in batch order) names, per row, the block holding the row's running
+        state. A request's row must name a block it holds (column 0: the
+        state it updates); a padding row (past the batch's requests, or a
+        CUDA graph's rows past its decodes) must name none (vLLM's null
+        block or ``PAD_SLOT_ID``): its update goes to the block it names.
+        Returns whether the group was checked."""
+        import numpy as np
+
+        names = runner.kv_cache_config.kv_cache_groups[gid].layer_names
+        md = next((attn_metadata[n] for n in names if n in attn_metadata), None)
+        if md is None or not hasattr(md, "state_indices_tensor_p"):
+            self._skip_step("state groups whose metadata names no state slots")
+            return False
+        parts = []
+        for name, n in (("state_indices_tensor_d", None), ("state_indices_tensor_p", int(md.num_prefills))):
+            t = getattr(md, name, None)
+            if t is None:
+                continue
+            a = host_array(t).astype(np.int64)
+            a = a[:, None] if a.ndim == 1 else a
+            parts.append(a[:n] if n is not None else a)
+        if not parts:
+            return False
+        width = max(p.shape[1] for p in parts)
+        table = np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=-1) for p in parts])
+        owners = [self._row_owner(st, rid) for rid in req_ids]
+        pad = self._padding(st)
+        from vllm.v1.attention.backends.utils import NULL_BLOCK_ID as null
+
+        slots: list[int] = []
+        offsets = [0]
+        rows: list[Owner] = []
+        for r, entries in enumerate(table):
+            if r < len(req_ids):
+                ids = [] if r in skipped else entries[:1].tolist()
+                rows.append(owners[r])
+            else:
+                ids = [i for i in entries.tolist() if i != null]
+                rows.append(pad)
+            slots += [i * st.page_slots if i >= 0 else -1 for i in ids]
+            offsets.append(len(slots))
+        verdicts = st.pool.check_slot_mapping(rows, np.asarray(offsets, dtype=np.int32), np.asarray(slots, dtype=np.int64))
+        for r, v in enumerate(verdicts):
+            who = req_ids[r] if r < len(req_ids) else "a padding row"
+            self._note(v, f"the state kernels update state_indices row {r} (group {gid})", None, None, who)
+        return True
 
     def _row_owner(self, st: _PoolState, rid: str) -> Owner:
         """The request of a batch row: the scheduler's, else (a row of a
