@@ -412,9 +412,31 @@ def test_padding_tokens_with_stale_slots_are_caught(distributed: None, adapter: 
     assert {f.kind for f in found} == {"foreign-write"}
 
 
-def test_a_runner_without_its_scheduler_is_counted_unchecked(distributed: None, adapter: Any) -> None:
+def test_a_runner_is_linked_to_the_one_scheduler_of_its_config(distributed: None, adapter: Any) -> None:
+    # In one process vLLM's engine builds its scheduler and its runner from
+    # one config: the runner needs no watch_runner.
     engine = Engine(adapter)
     adapter._runners.clear()
+    engine.add(requests(("A", 40, 2)))
+    engine.step()
+    assert adapter.checked_steps == 1
+    assert adapter.unchecked_steps == {}
+
+
+def test_a_runner_without_its_scheduler_is_counted_unchecked(distributed: None, adapter: Any) -> None:
+    # Two schedulers of one config (as in a test): which one feeds the
+    # runner is not known, so its steps are counted, not checked.
+    engine = Engine(adapter)
+    adapter._runners.clear()
+    s = engine.scheduler
+    other = type(s)(
+        vllm_config=s.vllm_config,
+        kv_cache_config=s.kv_cache_config,
+        block_size=BLOCK,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(s.vllm_config),
+    )
+    other.schedule()
     engine.add(requests(("A", 40, 2)))
     engine.step()
     assert adapter.checked_steps == 0

@@ -35,7 +35,7 @@ the worker's ``finished_sending``           ``read`` of those blocks by the
 ``KVCacheManager.free`` of a finished one   ``finished`` (``page-leak``)
 the model runner's step                     the KV store's ``slot_mapping``
 (``GPUModelRunner._build_attention_metadata``, checked as its rows' writes
-linked by :meth:`Adapter.watch_runner`)     (padding: a holder of nothing),
+in the scheduler's process)                 (padding: a holder of nothing),
                                             then the block table rows up to
                                             ``seq_lens`` as their reads
 the same step, for a Mamba state group       the state slots its metadata
@@ -120,6 +120,9 @@ from .sanitizer import KvsanError, Pool, Sanitizer, attach as attach_sanitizer
 
 __all__ = ["Adapter", "Finding", "attach"]
 
+# Why a pool is left alone: HiSparse's host tier (a pool of its own kind)
+# and device groups hold one request's KV in two tiers, moved by copies.
+_HISPARSE = "HiSparse host tiers and their device groups"
 # Why a worker row is not checked (Adapter.unchecked_steps).
 _IN_FLIGHT = "rows of requests finished while their step was in flight"
 
@@ -231,6 +234,8 @@ class Adapter(NixlReads, Hooks):
         # The worker side: model runners whose steps are checked, each with
         # the scheduler that hands it its steps (weakly).
         self._runners: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+        # Schedulers seen scheduling, for runners found by their config.
+        self._schedulers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._build_metadata: inspect.Signature | None = None
         #: Worker steps whose attention buffers were checked, and steps
         #: left unchecked by the reason.
@@ -294,7 +299,10 @@ class Adapter(NixlReads, Hooks):
         """Checks the steps ``runner`` (vLLM's ``GPUModelRunner``, or a
         subclass such as ``CPUModelRunner``) prepares for attention against
         the blocks ``scheduler`` handed out: the model runner is the
-        worker, in this process, of that scheduler's engine. Each step's
+        worker, in this process, of that scheduler's engine. Needed only
+        where the adapter cannot find the scheduler by itself (it links a
+        runner to the one scheduler it has seen built from the runner's
+        config object, as vLLM's engine builds both in one process). Each step's
         buffers are checked as the attention and KV store kernels take
         them (see :meth:`check_runner_step`).
 
@@ -394,7 +402,9 @@ class Adapter(NixlReads, Hooks):
         if block_pool in self._unmodelled:
             return None
         if type(block_pool) is not self._pool_cls:
-            self._leave(block_pool, f"pools of another kind ({type(block_pool).__name__})")
+            kind = type(block_pool)
+            hisparse = "hisparse" in kind.__module__
+            self._leave(block_pool, _HISPARSE if hisparse else f"pools of another kind ({kind.__name__})")
             return None
         sizes = self._block_sizes.get(block_pool) or {block_pool.hash_block_size}
         page_slots = max(sizes)
@@ -660,6 +670,7 @@ class Adapter(NixlReads, Hooks):
         done, reported or not (a test may skip a report)."""
         kvm = sched.kv_cache_manager
         self._note_engine(sched)
+        self._schedulers.add(sched)
         async_sched = any(c.__name__ == "AsyncScheduler" for c in type(sched).__mro__)
         depth = max(int(getattr(sched.vllm_config, "max_concurrent_batches", 1) or 1), 2 if async_sched else 1)
         with self._lock:
@@ -928,7 +939,7 @@ class Adapter(NixlReads, Hooks):
             self._skip_step("dummy runs (profiling, warm-up, idle data-parallel ranks)")
             return out
         ref = self._runners.get(runner)
-        scheduler = ref() if ref is not None else None
+        scheduler = ref() if ref is not None else self._scheduler_of(runner)
         if scheduler is None:
             self._skip_step("model runners not linked to a scheduler (Adapter.watch_runner)")
             return out
@@ -944,6 +955,19 @@ class Adapter(NixlReads, Hooks):
             out[0] if isinstance(out, tuple) and out and isinstance(out[0], dict) else None,
         )
         return out
+
+    def _scheduler_of(self, runner: Any) -> Any:
+        """The scheduler of the runner's engine, found without
+        :meth:`watch_runner`: in one process (vLLM's uni-process executor
+        with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the engine builds its
+        scheduler and its runner from one config object. Linked only when
+        exactly one scheduler seen shares the runner's config."""
+        config = getattr(runner, "vllm_config", None)
+        found = [s for s in list(self._schedulers) if config is not None and s.vllm_config is config]
+        if len(found) != 1:
+            return None
+        self._runners[runner] = weakref.ref(found[0])
+        return found[0]
 
     def check_runner_step(
         self,
@@ -1236,7 +1260,7 @@ def _unmodelled(manager: Any, pool: Any) -> str | None:
     """Why a manager's pool is beyond the adapter's model, if it is."""
     kind = type(manager).__name__
     if "HiSparse" in kind:
-        return "HiSparse host and resident pools"
+        return _HISPARSE
     if manager.block_size != pool.hash_block_size:
         return "blocks larger than the hash block (fine-grained partial hits)"
     return None
