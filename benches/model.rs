@@ -1,5 +1,5 @@
 //! Whole-model speed on the default model (SmolLM2-135M Q4_1): prompt
-//! processing of 512 tokens, decode at batch 1 and at batch 16.
+//! processing of 512 and 2,048 tokens, decode at batch 1 and at batch 16.
 //!
 //! `cargo bench --bench model` prints tokens/s per run and the median of
 //! `KVSAN_BENCH_RUNS` runs (default 5). `scripts/llamacpp-speed.py` measures
@@ -122,6 +122,12 @@ fn main() {
         "prompt processing, 512 tokens",
         (0..runs)
             .map(|r| prompt_run(&model, 512, r as u64))
+            .collect(),
+    );
+    report(
+        "prompt processing, 2048 tokens",
+        (0..runs)
+            .map(|r| prompt_run(&model, 2048, r as u64))
             .collect(),
     );
     report(

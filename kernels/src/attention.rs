@@ -222,45 +222,58 @@ fn axpy(isa: Isa, out: &mut [f32], a: f32, v: &[f16]) {
     }
 }
 
-/// Attention of `group` query heads (`q`, `group × head_dim`) sharing KV
-/// head `kvh` over positions `0..len` of the pages in `pages` (already
-/// asked of the guard), into `out`.
+/// Attention of consecutive queries, `group` query heads each sharing KV
+/// head `kvh` (`q`: queries × `group × head_dim`), query `i` over positions
+/// `0..lens[i]` of the pages in `pages` (already asked of the guard), into
+/// `out` (the same shape). Each K and V vector is read once for all the
+/// queries and heads that attend to it (a tile of queries over the keys),
+/// not once per query; each query's scores, softmax and sum are the same
+/// operations in the same order as for the query alone.
 #[allow(clippy::too_many_arguments)]
-fn attend_group(
+fn attend_queries(
     isa: Isa,
     pool: &[f16],
     geom: &KvGeometry,
     layer: usize,
     kvh: usize,
     pages: &[PageId],
-    len: usize,
+    lens: &[usize],
     scale: f32,
     q: &[f32],
     out: &mut [f32],
 ) {
     let hd = geom.head_dim;
-    let group = q.len() / hd;
+    let rows_per_query = q.len() / hd / lens.len().max(1);
+    let len = lens.iter().copied().max().unwrap_or(0);
     let q16: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-    let mut scores = vec![0.0f32; group * len];
-    let slots = |kv: usize| {
-        (0..len).map(move |t| {
-            let o =
-                geom.offset(pages[t / geom.page_slots], layer, kv, t % geom.page_slots) + kvh * hd;
-            (t, &pool[o..o + hd])
-        })
+    let mut scores = vec![0.0f32; q.len() / hd * len];
+    let vector = |kv: usize, t: usize| {
+        let o = geom.offset(pages[t / geom.page_slots], layer, kv, t % geom.page_slots) + kvh * hd;
+        &pool[o..o + hd]
     };
-    for (t, k) in slots(0) {
-        for h in 0..group {
-            scores[h * len + t] = dot_qk(isa, &q16[h * hd..(h + 1) * hd], k) * scale;
+    // The heads of query `i` are rows `i * rows_per_query ..` of the tile.
+    let rows = |t: usize| {
+        lens.iter()
+            .enumerate()
+            .filter(move |&(_, &n)| t < n)
+            .flat_map(move |(i, _)| i * rows_per_query..(i + 1) * rows_per_query)
+    };
+    for t in 0..len {
+        let k = vector(0, t);
+        for r in rows(t) {
+            scores[r * len + t] = dot_qk(isa, &q16[r * hd..(r + 1) * hd], k) * scale;
         }
     }
-    for s in scores.chunks_exact_mut(len.max(1)) {
-        crate::ops::softmax_inplace(s);
+    for (i, &n) in lens.iter().enumerate() {
+        for r in i * rows_per_query..(i + 1) * rows_per_query {
+            crate::ops::softmax_inplace(&mut scores[r * len..r * len + n]);
+        }
     }
     out.fill(0.0);
-    for (t, v) in slots(1) {
-        for h in 0..group {
-            axpy(isa, &mut out[h * hd..(h + 1) * hd], scores[h * len + t], v);
+    for t in 0..len {
+        let v = vector(1, t);
+        for r in rows(t) {
+            axpy(isa, &mut out[r * hd..(r + 1) * hd], scores[r * len + t], v);
         }
     }
 }
@@ -340,7 +353,7 @@ pub fn store_kv(
 }
 
 /// Queries per attention task of a row.
-const QUERY_CHUNK: usize = 4;
+const QUERY_CHUNK: usize = 16;
 
 /// Asks `guard` about every page row `row` reads for positions `0..len`:
 /// the pages (in position order) if all may be read, `None` if one was
@@ -436,26 +449,23 @@ pub fn attend(
         } else {
             None
         };
-        for i in first..last {
-            let at = i * qw + kvh * group * hd;
+        let width = group * hd;
+        let at = |i: usize| i * qw + kvh * width;
+        let mut tile = vec![0.0f32; (last - first) * width];
+        if let Some(pages) = &pages {
+            let mut q_tile = Vec::with_capacity(tile.len());
+            for i in first..last {
+                q_tile.extend_from_slice(&q[at(i)..at(i) + width]);
+            }
+            let lens: Vec<usize> = (first..last).map(lens).collect();
+            attend_queries(
+                isa, pool, geom, layer, kvh, pages, &lens, scale, &q_tile, &mut tile,
+            );
+        }
+        for (i, o) in (first..last).zip(tile.chunks_exact(width)) {
             // SAFETY: task (chunk, kvh) alone writes head group kvh of the
             // queries of its chunk.
-            let o = unsafe { outp.slice(at, group * hd) };
-            match &pages {
-                Some(pages) => attend_group(
-                    isa,
-                    pool,
-                    geom,
-                    layer,
-                    kvh,
-                    pages,
-                    lens(i),
-                    scale,
-                    &q[at..at + group * hd],
-                    o,
-                ),
-                None => o.fill(0.0),
-            }
+            unsafe { outp.slice(at(i), width) }.copy_from_slice(o);
         }
     };
     let tasks = chunks.len() * nkv;
@@ -463,5 +473,61 @@ pub fn attend(
         (0..tasks).for_each(task);
     } else {
         exec.pool.run(tasks, task);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tile of queries gives each query, bit for bit, what the query
+    /// alone gives (the same dots, softmax and sums in the same order).
+    #[test]
+    fn a_tile_of_queries_is_bit_identical_to_each_query_alone() {
+        let geom = KvGeometry {
+            page_slots: 16,
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 64,
+        };
+        let pages: Vec<PageId> = [5u32, 0, 3, 7].into_iter().map(PageId).collect();
+        let mut x = 7u64;
+        let mut next = move || {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let pool: Vec<f16> = (0..8 * geom.page_elems())
+            .map(|_| f16::from_f32(next()))
+            .collect();
+        let (group, hd) = (3, geom.head_dim);
+        // Four queries of a prefill at positions 45..49: each attends to
+        // itself and everything before it.
+        let lens = [46, 47, 48, 49];
+        let q: Vec<f32> = (0..lens.len() * group * hd).map(|_| next()).collect();
+        for isa in Isa::all_available() {
+            let mut tile = vec![0.0f32; q.len()];
+            attend_queries(isa, &pool, &geom, 1, 1, &pages, &lens, 0.125, &q, &mut tile);
+            for (i, &n) in lens.iter().enumerate() {
+                let w = group * hd;
+                let mut alone = vec![0.0f32; w];
+                attend_queries(
+                    isa,
+                    &pool,
+                    &geom,
+                    1,
+                    1,
+                    &pages,
+                    &[n],
+                    0.125,
+                    &q[i * w..(i + 1) * w],
+                    &mut alone,
+                );
+                let same = alone
+                    .iter()
+                    .zip(&tile[i * w..(i + 1) * w])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "query {i} on {isa:?}");
+            }
+        }
     }
 }

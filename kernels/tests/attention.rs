@@ -145,7 +145,8 @@ fn mixed() -> (Vec<Vec<PageRef>>, Vec<usize>, Vec<usize>) {
         refs(&[0, 11, 4, 8, 1, 6, 10]),
         refs(&[6, 1]),
     ];
-    (tables, vec![1, 16, 37, 100, 19], vec![1, 1, 1, 1, 5])
+    // Row 3 prefills 20 tokens: two tiles of queries, the second partial.
+    (tables, vec![1, 16, 37, 100, 19], vec![1, 1, 1, 20, 5])
 }
 
 fn run_attend(exec: Exec, pool: &[f16], b: &Batch, q: &[f32], guard: &impl KvGuard) -> Vec<f32> {
@@ -306,9 +307,9 @@ impl KvGuard for Recording {
 #[test]
 fn attention_asks_about_exactly_the_pages_and_slots_each_task_reads() {
     let pool = random_pool(25);
-    // Row 0 decodes at 37 tokens; row 1 prefills 5 tokens after 14.
-    let tables = vec![refs(&[9, 2, 5]), refs(&[6, 1])];
-    let b = Batch::new(&tables, &[37, 19], &[1, 5]);
+    // Row 0 decodes at 37 tokens; row 1 prefills 20 tokens after 14.
+    let tables = vec![refs(&[9, 2, 5]), refs(&[6, 1, 8])];
+    let b = Batch::new(&tables, &[37, 34], &[1, 20]);
     let q = random_f32(&mut rng(26), b.store_slots.len() * QW, 1.0);
     let guard = Recording::new(b.seq_lens.len(), None);
     run_attend(Exec::global(), &pool, &b, &q, &guard);
@@ -323,16 +324,17 @@ fn attention_asks_about_exactly_the_pages_and_slots_each_task_reads() {
             (0, 0, p(&tables[0], 0), LAYER, 16),
             (0, 1, p(&tables[0], 1), LAYER, 16),
             (0, 2, p(&tables[0], 2), LAYER, 5),
-            // Row 1: its first chunk (queries at 14..18) reads up to
-            // position 17, its second (query 18) up to 18: page 0 whole,
-            // then 2 or 3 slots of page 1.
+            // Row 1: its first tile (the 16 queries at 14..30) reads up to
+            // position 29, its second (queries 30..34) up to 33: page 0
+            // whole, then 14 or 16 slots of page 1, and 2 of page 2.
             (1, 0, p(&tables[1], 0), LAYER, 16),
-            (1, 1, p(&tables[1], 1), LAYER, 2),
-            (1, 1, p(&tables[1], 1), LAYER, 3),
+            (1, 1, p(&tables[1], 1), LAYER, 14),
+            (1, 1, p(&tables[1], 1), LAYER, 16),
+            (1, 2, p(&tables[1], 2), LAYER, 2),
         ]
     );
     // Every (task, page) asks once per KV head: 2 heads.
-    assert_eq!(guard.reads.lock().unwrap().len(), 2 * (3 + 2 + 2));
+    assert_eq!(guard.reads.lock().unwrap().len(), 2 * (3 + 2 + 3));
 }
 
 #[test]

@@ -141,31 +141,35 @@ pub fn median(sorted: &[f64]) -> f64 {
     }
 }
 
-/// A decode batch of `seqs` sequences of `seq_len` tokens over a pool of
-/// their pages, owned and fully written in a sanitizer's shadow: what the
-/// checked kernel reads legally, every page checked.
+/// A batch of `seqs` sequences of `seq_len` tokens, the last `new` of each
+/// computed in this step (1: a decode row; more: a prefill chunk), over a
+/// pool of their pages, owned and fully written in a sanitizer's shadow:
+/// what the checked kernel reads legally, every page checked.
 pub struct DecodeBench {
     /// The pool.
     pub pool: KvPool,
-    /// The batch (one decode row per sequence).
+    /// The batch (one row per sequence).
     pub batch: StepBatch,
     /// The sanitizer shadowing the pool.
     pub sanitizer: Arc<Sanitizer>,
     /// Its id for the pool.
     pub pool_id: PoolId,
-    /// One query per row.
+    /// One query per token computed.
     pub q: Vec<f32>,
     /// Query heads.
     pub n_heads: usize,
 }
 
 impl DecodeBench {
-    /// The batch for `seqs × seq_len` with SmolLM2's attention shape.
+    /// The batch for `seqs × seq_len` with SmolLM2's attention shape,
+    /// `new` queries per sequence.
     ///
     /// # Panics
-    /// If the pool cannot be built (a size no machine refuses here).
+    /// If the pool cannot be built (a size no machine refuses here), or
+    /// `new` is 0 or over `seq_len`.
     #[must_use]
-    pub fn new(seqs: usize, seq_len: usize) -> DecodeBench {
+    pub fn new(seqs: usize, seq_len: usize, new: usize) -> DecodeBench {
+        assert!((1..=seq_len).contains(&new), "1..={seq_len} new tokens");
         let geom = KvGeometry {
             page_slots: 16,
             n_layers: 1,
@@ -205,19 +209,19 @@ impl DecodeBench {
             }
             tables.push(table);
         }
-        let token = [0u32];
+        let tokens = vec![0u32; new];
         let chunks: Vec<SeqChunk<'_>> = tables
             .iter()
             .map(|t| SeqChunk {
-                tokens: &token,
-                start_pos: seq_len - 1,
+                tokens: &tokens,
+                start_pos: seq_len - new,
                 block_table: t,
                 logits: Logits::None,
             })
             .collect();
         let batch = StepBatch::of_chunks(&chunks, geom.page_slots).expect("a covered batch");
         let n_heads = N_HEADS;
-        let q = (0..seqs * n_heads * geom.head_dim)
+        let q = (0..seqs * new * n_heads * geom.head_dim)
             .map(|i| ((i * 5) % 11) as f32 / 11.0 - 0.5)
             .collect();
         DecodeBench {
@@ -259,15 +263,22 @@ impl DecodeBench {
 /// # Panics
 /// If the checked kernel refuses a legal read (it must not).
 pub fn measure(rounds: usize, calls: usize) -> KernelCheck {
-    measure_shape(SEQS, SEQ_LEN, rounds, calls)
+    measure_shape(SEQS, SEQ_LEN, 1, rounds, calls)
 }
 
-/// [`measure`] on a decode batch of `seqs` sequences of `seq_len` tokens.
+/// [`measure`] on a batch of `seqs` sequences of `seq_len` tokens, the
+/// last `new` of each computed (1: decode; more: a prefill chunk).
 ///
 /// # Panics
 /// If the checked kernel refuses a legal read (it must not).
-pub fn measure_shape(seqs: usize, seq_len: usize, rounds: usize, calls: usize) -> KernelCheck {
-    let mut bench = DecodeBench::new(seqs, seq_len);
+pub fn measure_shape(
+    seqs: usize,
+    seq_len: usize,
+    new: usize,
+    rounds: usize,
+    calls: usize,
+) -> KernelCheck {
+    let mut bench = DecodeBench::new(seqs, seq_len, new);
     let hooks = Hooks::sanitizer(bench.sanitizer.clone());
     let none = Hooks::none();
     let mut out = vec![0.0f32; bench.q.len()];
@@ -298,7 +309,12 @@ pub fn measure_shape(seqs: usize, seq_len: usize, rounds: usize, calls: usize) -
     checked.sort_by(f64::total_cmp);
     KernelCheck {
         shape: format!(
-            "decode attention, {seqs} sequences x {seq_len} tokens, {N_HEADS} heads over 3 KV heads of 64, 16-slot pages, one layer, checked against the kernel shadow"
+            "{}, {seqs} sequences x {seq_len} tokens, {N_HEADS} heads over 3 KV heads of 64, 16-slot pages, one layer, checked against the kernel shadow",
+            if new == 1 {
+                "decode attention".to_owned()
+            } else {
+                format!("prefill attention of {new} tokens per sequence")
+            }
         ),
         unchecked_us: median(&unchecked) * 1e6,
         checked_us: median(&checked) * 1e6,
