@@ -290,68 +290,99 @@ __device__ KvsanCheckRecord kvsan_block_table_entry(
                                layer_lo, layer_hi, page_slots, records, bits, stride, reader);
 }
 
-extern "C" __global__ void kvsan_check_block_table(
-    const unsigned long long* __restrict__ records,
-    const unsigned long long* __restrict__ bits,
-    unsigned int n_pages,
-    unsigned int page_slots,
-    unsigned int stride,
-    unsigned int layer_lo,
-    unsigned int layer_hi,
-    const unsigned long long* __restrict__ owners,
-    unsigned int rows,
-    const int* __restrict__ block_table,
-    unsigned long long n_table,
-    unsigned long long row_stride,
-    const int* __restrict__ seq_lens,
-    unsigned long long* __restrict__ firsts,
-    unsigned int* __restrict__ arrived,
-    unsigned int* __restrict__ refusals)
+// The arguments every check kernel starts with, in the order the host's
+// launches pass them: the shadow's page records and written bits (`Bits`
+// const for the read checks; the store check records into them), the
+// pool's pages and slots per page, the bit words per page, the layers
+// checked, each row's reader and the number of rows.
+#define KVSAN_CHECK_HEAD(Bits)                                                    \
+    const unsigned long long* __restrict__ records, Bits* __restrict__ bits,     \
+        unsigned int n_pages, unsigned int page_slots, unsigned int stride,      \
+        unsigned int layer_lo, unsigned int layer_hi,                            \
+        const unsigned long long* __restrict__ owners, unsigned int rows
+
+// The arguments every read check ends with: the rows' lowest refusal keys
+// and lane arrivals (both zeroed before the launch), and the records.
+#define KVSAN_LANE_TAIL                                                           \
+    unsigned long long* __restrict__ firsts, unsigned int* __restrict__ arrived, \
+        unsigned int* __restrict__ refusals
+
+// A row of a read layout as its lanes walk it: whether its lengths or
+// offsets are unusable (then it reads nothing), how many entries it has,
+// and entry(phase, e), the record of entry e's bounds (phase 0) or access
+// (phase 1).
+template <typename Entry>
+struct KvsanRow {
+    bool bad;
+    unsigned int n;
+    Entry entry;
+};
+
+template <typename Entry>
+__device__ __forceinline__ KvsanRow<Entry> kvsan_row(bool bad, unsigned int n, Entry entry) {
+    return KvsanRow<Entry>{bad, bad ? 0u : n, entry};
+}
+
+// The lanes of every read layout: row_of(row) gives the row; each lane
+// offers its lowest refusal, and the last lane to arrive writes the row's
+// record (see the top of this file).
+template <typename RowOf>
+__device__ __forceinline__ void kvsan_check_rows(unsigned int rows,
+                                                 unsigned long long* __restrict__ firsts,
+                                                 unsigned int* __restrict__ arrived,
+                                                 unsigned int* __restrict__ refusals,
+                                                 RowOf row_of)
 {
     const unsigned long long tasks = (unsigned long long)rows * KVSAN_CHECK_LANES;
     for (unsigned long long task = kvsan_first_task(); task < tasks; task += kvsan_task_step()) {
         const unsigned int row = (unsigned int)(task / KVSAN_CHECK_LANES);
         const unsigned int lane = (unsigned int)(task % KVSAN_CHECK_LANES);
-        const int len = seq_lens[row];
-        const unsigned long long base = (unsigned long long)row * row_stride;
-        if (len >= 0) {
-            const unsigned long long entries =
-                ((unsigned long long)len + page_slots - 1ull) / page_slots;
-            bool access_refused = false;
-            for (unsigned long long e = lane; e < entries; e += KVSAN_CHECK_LANES) {
-                if (kvsan_block_table_entry(0u, (unsigned int)e, len, base, block_table, n_table,
-                                            n_pages, page_slots, layer_lo, layer_hi, records,
-                                            bits, stride, owners[row])
-                        .code != KVSAN_REFUSED_NONE) {
-                    kvsan_offer(firsts, row, 0u, (unsigned int)e);
-                    break;
-                }
-                if (!access_refused
-                    && kvsan_block_table_entry(1u, (unsigned int)e, len, base, block_table,
-                                               n_table, n_pages, page_slots, layer_lo, layer_hi,
-                                               records, bits, stride, owners[row])
-                               .code != KVSAN_REFUSED_NONE) {
-                    kvsan_offer(firsts, row, 1u, (unsigned int)e);
-                    access_refused = true;
-                }
+        const auto r = row_of(row);
+        bool access_refused = false;
+        for (unsigned int e = lane; e < r.n; e += KVSAN_CHECK_LANES) {
+            if (r.entry(0u, e).code != KVSAN_REFUSED_NONE) {
+                kvsan_offer(firsts, row, 0u, e);
+                break;
+            }
+            if (!access_refused && r.entry(1u, e).code != KVSAN_REFUSED_NONE) {
+                kvsan_offer(firsts, row, 1u, e);
+                access_refused = true;
             }
         }
         if (kvsan_last_lane(arrived, row)) {
-            if (len < 0) {
+            if (r.bad) {
                 kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
                 continue;
             }
             const unsigned long long key = kvsan_first_key(firsts, row);
             if (key != ~0ull) {
-                kvsan_write_record(
-                    refusals, row,
-                    kvsan_block_table_entry((unsigned int)(key >> 32), (unsigned int)key, len,
-                                            base, block_table, n_table, n_pages, page_slots,
-                                            layer_lo, layer_hi, records, bits, stride,
-                                            owners[row]));
+                kvsan_write_record(refusals, row,
+                                   r.entry((unsigned int)(key >> 32), (unsigned int)key));
             }
         }
     }
+}
+
+extern "C" __global__ void kvsan_check_block_table(
+    KVSAN_CHECK_HEAD(const unsigned long long),
+    const int* __restrict__ block_table,
+    unsigned long long n_table,
+    unsigned long long row_stride,
+    const int* __restrict__ seq_lens,
+    KVSAN_LANE_TAIL)
+{
+    kvsan_check_rows(rows, firsts, arrived, refusals, [&](unsigned int row) {
+        const int len = seq_lens[row];
+        const unsigned long long base = (unsigned long long)row * row_stride;
+        const unsigned long long reader = owners[row];
+        const unsigned int entries =
+            (unsigned int)(((unsigned long long)len + page_slots - 1ull) / page_slots);
+        return kvsan_row(len < 0, entries, [=](unsigned int phase, unsigned int e) {
+            return kvsan_block_table_entry(phase, e, len, base, block_table, n_table, n_pages,
+                                           page_slots, layer_lo, layer_hi, records, bits, stride,
+                                           reader);
+        });
+    });
 }
 
 // Pages in CSR form: row r, entry e of its n (the row's offsets checked).
@@ -378,66 +409,27 @@ __device__ KvsanCheckRecord kvsan_paged_csr_entry(
 }
 
 extern "C" __global__ void kvsan_check_paged_csr(
-    const unsigned long long* __restrict__ records,
-    const unsigned long long* __restrict__ bits,
-    unsigned int n_pages,
-    unsigned int page_slots,
-    unsigned int stride,
-    unsigned int layer_lo,
-    unsigned int layer_hi,
-    const unsigned long long* __restrict__ owners,
-    unsigned int rows,
+    KVSAN_CHECK_HEAD(const unsigned long long),
     const int* __restrict__ indptr,
     const int* __restrict__ indices,
     unsigned long long n_indices,
     const int* __restrict__ last_page_len,
-    unsigned long long* __restrict__ firsts,
-    unsigned int* __restrict__ arrived,
-    unsigned int* __restrict__ refusals)
+    KVSAN_LANE_TAIL)
 {
-    const unsigned long long tasks = (unsigned long long)rows * KVSAN_CHECK_LANES;
-    for (unsigned long long task = kvsan_first_task(); task < tasks; task += kvsan_task_step()) {
-        const unsigned int row = (unsigned int)(task / KVSAN_CHECK_LANES);
-        const unsigned int lane = (unsigned int)(task % KVSAN_CHECK_LANES);
+    kvsan_check_rows(rows, firsts, arrived, refusals, [&](unsigned int row) {
         const int start = indptr[row];
         const int end = indptr[row + 1u];
         const int last = last_page_len[row];
         const bool bad = start < 0 || end < start || last < 0
                          || (end > start && (last < 1 || (unsigned int)last > page_slots));
         const unsigned int n = bad ? 0u : (unsigned int)(end - start);
-        bool access_refused = false;
-        for (unsigned int e = lane; e < n; e += KVSAN_CHECK_LANES) {
-            if (kvsan_paged_csr_entry(0u, e, n, start, last, indices, n_indices, n_pages,
-                                      page_slots, layer_lo, layer_hi, records, bits, stride,
-                                      owners[row])
-                    .code != KVSAN_REFUSED_NONE) {
-                kvsan_offer(firsts, row, 0u, e);
-                break;
-            }
-            if (!access_refused
-                && kvsan_paged_csr_entry(1u, e, n, start, last, indices, n_indices, n_pages,
+        const unsigned long long reader = owners[row];
+        return kvsan_row(bad, n, [=](unsigned int phase, unsigned int e) {
+            return kvsan_paged_csr_entry(phase, e, n, start, last, indices, n_indices, n_pages,
                                          page_slots, layer_lo, layer_hi, records, bits, stride,
-                                         owners[row])
-                           .code != KVSAN_REFUSED_NONE) {
-                kvsan_offer(firsts, row, 1u, e);
-                access_refused = true;
-            }
-        }
-        if (kvsan_last_lane(arrived, row)) {
-            if (bad) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
-                continue;
-            }
-            const unsigned long long key = kvsan_first_key(firsts, row);
-            if (key != ~0ull) {
-                kvsan_write_record(
-                    refusals, row,
-                    kvsan_paged_csr_entry((unsigned int)(key >> 32), (unsigned int)key, n, start,
-                                          last, indices, n_indices, n_pages, page_slots, layer_lo,
-                                          layer_hi, records, bits, stride, owners[row]));
-            }
-        }
-    }
+                                         reader);
+        });
+    });
 }
 
 // A token-level table: row r, token t.
@@ -469,79 +461,32 @@ __device__ KvsanCheckRecord kvsan_req_to_token_entry(
 }
 
 extern "C" __global__ void kvsan_check_req_to_token(
-    const unsigned long long* __restrict__ records,
-    const unsigned long long* __restrict__ bits,
-    unsigned int n_pages,
-    unsigned int page_slots,
-    unsigned int stride,
-    unsigned int layer_lo,
-    unsigned int layer_hi,
-    const unsigned long long* __restrict__ owners,
-    unsigned int rows,
+    KVSAN_CHECK_HEAD(const unsigned long long),
     const int* __restrict__ req_to_token,
     unsigned long long n_table,
     unsigned long long row_stride,
     const int* __restrict__ req_indices,
     const int* __restrict__ seq_lens,
-    unsigned long long* __restrict__ firsts,
-    unsigned int* __restrict__ arrived,
-    unsigned int* __restrict__ refusals)
+    KVSAN_LANE_TAIL)
 {
-    const unsigned long long tasks = (unsigned long long)rows * KVSAN_CHECK_LANES;
-    for (unsigned long long task = kvsan_first_task(); task < tasks; task += kvsan_task_step()) {
-        const unsigned int row = (unsigned int)(task / KVSAN_CHECK_LANES);
-        const unsigned int lane = (unsigned int)(task % KVSAN_CHECK_LANES);
+    kvsan_check_rows(rows, firsts, arrived, refusals, [&](unsigned int row) {
         const int req = req_indices[row];
         const int len = seq_lens[row];
         const bool bad = req < 0 || len < 0;
         const unsigned long long base = bad ? 0ull : (unsigned long long)req * row_stride;
-        const unsigned int n = bad ? 0u : (unsigned int)len;
-        bool access_refused = false;
-        for (unsigned int t = lane; t < n; t += KVSAN_CHECK_LANES) {
-            if (kvsan_req_to_token_entry(0u, t, base, req_to_token, n_table, n_pages, page_slots,
-                                         layer_lo, layer_hi, records, bits, stride, owners[row])
-                    .code != KVSAN_REFUSED_NONE) {
-                kvsan_offer(firsts, row, 0u, t);
-                break;
-            }
-            if (!access_refused
-                && kvsan_req_to_token_entry(1u, t, base, req_to_token, n_table, n_pages,
+        const unsigned long long reader = owners[row];
+        return kvsan_row(bad, (unsigned int)len, [=](unsigned int phase, unsigned int t) {
+            return kvsan_req_to_token_entry(phase, t, base, req_to_token, n_table, n_pages,
                                             page_slots, layer_lo, layer_hi, records, bits, stride,
-                                            owners[row])
-                           .code != KVSAN_REFUSED_NONE) {
-                kvsan_offer(firsts, row, 1u, t);
-                access_refused = true;
-            }
-        }
-        if (kvsan_last_lane(arrived, row)) {
-            if (bad) {
-                kvsan_put_bounds(refusals, row, KVSAN_REFUSED_BAD_INPUT, KVSAN_NONE, KVSAN_NONE);
-                continue;
-            }
-            const unsigned long long key = kvsan_first_key(firsts, row);
-            if (key != ~0ull) {
-                kvsan_write_record(
-                    refusals, row,
-                    kvsan_req_to_token_entry((unsigned int)(key >> 32), (unsigned int)key, base,
-                                             req_to_token, n_table, n_pages, page_slots, layer_lo,
-                                             layer_hi, records, bits, stride, owners[row]));
-            }
-        }
-    }
+                                            reader);
+        });
+    });
 }
 
 // Row r of a store kernel's slots; with `record`, the slots let through
 // are marked written for every layer of layer_lo .. layer_hi.
 extern "C" __global__ void kvsan_check_slot_mapping(
-    const unsigned long long* __restrict__ records,
-    unsigned long long* __restrict__ bits,
-    unsigned int n_pages,
-    unsigned int page_slots,
-    unsigned int stride,
-    unsigned int layer_lo,
-    unsigned int layer_hi,
-    const unsigned long long* __restrict__ owners,
-    unsigned int rows,
+    KVSAN_CHECK_HEAD(unsigned long long),
     const int* __restrict__ query_start_loc,
     const long long* __restrict__ slot_mapping,
     unsigned long long n_slots,
