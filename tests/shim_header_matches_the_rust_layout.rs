@@ -57,7 +57,8 @@ fn rows() -> Vec<(String, i64, String)> {
                          pool_register, request_event, alloc, free, write, read,
                          transfer_send, transfer_recv, transfer_commit,
                          kernel_shadow, kernel_refusal, request_event_at,
-                         share, declare_salt, transfer_land, transfer_verify }
+                         share, declare_salt, transfer_land, transfer_verify,
+                         tier_store, tier_store_done, tier_load, tier_verify, tier_release }
         KvsanKernelShadow { size, layout_version, pages, page_slots, layers, record_size,
                             stride_words, reserved, records, bits, counters }
         KvsanKernelAccess { op, layer, page, slots, entry, reserved }
@@ -153,11 +154,13 @@ fn every_size_offset_and_constant_of_kvsan_h_equals_the_rust_abi() {
     );
     // The documented LP64 sizes.
     for (label, want) in [
-        ("sizeof KvsanHookTable", 152),
+        ("sizeof KvsanHookTable", 192),
         ("offsetof KvsanHookTable.kernel_shadow", 96),
         ("offsetof KvsanHookTable.share", 120),
         ("offsetof KvsanHookTable.transfer_land", 136),
         ("offsetof KvsanHookTable.transfer_verify", 144),
+        ("offsetof KvsanHookTable.tier_store", 152),
+        ("offsetof KvsanHookTable.tier_release", 184),
         ("sizeof KvsanPageLanding", 64),
         ("sizeof KvsanKernelShadow", 56),
         ("sizeof KvsanKernelAccess", 32),

@@ -14,7 +14,7 @@ use kvsan_engine::hooks::ctable::{
 use kvsan_engine::hooks::{HookTarget, Hooks, Verdict};
 use kvsan_sanitizer::{
     AccessOp, Check, Generation, KernelAccess, NodeRole, Options, Owner, PageId, PageRef,
-    PoolGeometry, PoolId, RequestEvent, RequestId, Sanitizer, TenantId, ViolationKind,
+    PoolGeometry, PoolId, RequestEvent, RequestId, Sanitizer, TenantId, TierBlockId, ViolationKind,
 };
 
 /// # Safety
@@ -226,6 +226,64 @@ unsafe extern "C" fn declare_salt(ctx: *mut c_void, owner: KvsanOwner, salt: u64
     KvsanVerdict::CONTINUE
 }
 
+unsafe extern "C" fn tier_store(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    tier: u32,
+    block: u64,
+    step: u64,
+) -> KvsanVerdict {
+    let block = TierBlockId::new(tier, block);
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.tier_store(PoolId(pool), owner.into(), page.into(), block, step))
+}
+
+unsafe extern "C" fn tier_store_done(
+    ctx: *mut c_void,
+    tier: u32,
+    block: u64,
+    digest: u64,
+    stored: u32,
+) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.tier_store_done(TierBlockId::new(tier, block), digest, stored == 1))
+}
+
+unsafe extern "C" fn tier_load(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    tier: u32,
+    block: u64,
+    step: u64,
+) -> KvsanVerdict {
+    let block = TierBlockId::new(tier, block);
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.tier_load(PoolId(pool), owner.into(), page.into(), block, step))
+}
+
+unsafe extern "C" fn tier_verify(
+    ctx: *mut c_void,
+    pool: u32,
+    owner: KvsanOwner,
+    page: KvsanPageRef,
+    tier: u32,
+    block: u64,
+    digest: u64,
+) -> KvsanVerdict {
+    let block = TierBlockId::new(tier, block);
+    // SAFETY: see `san`.
+    out(unsafe { san(ctx) }.tier_verify(PoolId(pool), owner.into(), page.into(), block, digest))
+}
+
+unsafe extern "C" fn tier_release(ctx: *mut c_void, tier: u32, block: u64) -> KvsanVerdict {
+    // SAFETY: see `san`.
+    KvsanVerdict::from(unsafe { san(ctx) }.tier_release(TierBlockId::new(tier, block)))
+}
+
 /// A version-1.2 table forwarding to `sanitizer`.
 fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
     KvsanHookTable {
@@ -253,6 +311,38 @@ fn forwarding_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
         // pools as reporting none.
         transfer_land: None,
         transfer_verify: None,
+        // Nor tier hooks: the engine's tier calls continue unchecked.
+        tier_store: None,
+        tier_store_done: None,
+        tier_load: None,
+        tier_verify: None,
+        tier_release: None,
+    }
+}
+
+/// A landing hook of a library that checks no landing.
+unsafe extern "C" fn no_landing(
+    _: *mut c_void,
+    _: u32,
+    _: *const kvsan_engine::hooks::ctable::KvsanPageLanding,
+) -> KvsanVerdict {
+    KvsanVerdict::CONTINUE
+}
+
+/// A version-1.6 table forwarding every hook, tiers included, to
+/// `sanitizer` (the landing hooks are left out: the pools of these tests
+/// report no landing).
+fn tier_table(sanitizer: &Arc<Sanitizer>) -> KvsanHookTable {
+    KvsanHookTable {
+        version_minor: 6,
+        transfer_land: Some(no_landing),
+        transfer_verify: Some(no_landing),
+        tier_store: Some(tier_store),
+        tier_store_done: Some(tier_store_done),
+        tier_load: Some(tier_load),
+        tier_verify: Some(tier_verify),
+        tier_release: Some(tier_release),
+        ..forwarding_table(sanitizer)
     }
 }
 
@@ -375,6 +465,88 @@ fn without_a_target_share_and_declare_salt_continue() {
     };
     assert!(hooks.share(PoolId(0), page, owner).is_continue());
     assert!(hooks.declare_salt(owner, 9).is_continue());
+}
+
+/// Through a 1.6 table a tier's stores and loads are checked: a page stored
+/// into a block and loaded back by its request passes; another page stored
+/// into the same block, and another request's load, abort with their
+/// kinds; the verdicts come back through the C types.
+#[test]
+fn through_the_c_table_tier_stores_and_loads_are_checked() {
+    let s = sanitizer();
+    let t = Box::leak(Box::new(tier_table(&s)));
+    // SAFETY: a whole table, leaked for the process; ctx is `s`, kept alive below.
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(t) }.expect("attached"));
+    let pool = hooks.pool_register(&geometry(), PoolId(99));
+    let (a, b) = (
+        Owner {
+            request: RequestId(1),
+            tenant: TenantId(7),
+        },
+        Owner {
+            request: RequestId(2),
+            tenant: TenantId(8),
+        },
+    );
+    let page = |n, generation| PageRef {
+        page: PageId(n),
+        generation: Generation(generation),
+    };
+    let block = TierBlockId::new(0, 3);
+    assert!(hooks.alloc(pool, a, page(0, 1), 1).is_continue());
+    assert!(
+        s.write(pool, a, page(0, 1), 0..4, 0..2, 2)
+            .unwrap()
+            .is_continue()
+    );
+    assert!(
+        hooks
+            .tier_store(pool, a, page(0, 1), block, 3)
+            .is_continue()
+    );
+    assert!(hooks.tier_store_done(block, 0x77, true).is_continue());
+    assert!(hooks.alloc(pool, b, page(1, 1), 4).is_continue());
+    let v = hooks.tier_store(pool, b, page(1, 1), block, 5);
+    assert_eq!(v.kind(), Some(ViolationKind::TierBlockAliased));
+    let v = hooks.tier_load(pool, b, page(1, 1), block, 6);
+    assert_eq!(v.kind(), Some(ViolationKind::TierForeignLoad));
+    assert!(hooks.alloc(pool, a, page(2, 1), 7).is_continue());
+    assert!(hooks.tier_load(pool, a, page(2, 1), block, 8).is_continue());
+    assert!(
+        hooks
+            .tier_verify(pool, a, page(2, 1), block, 0x77)
+            .is_continue()
+    );
+    assert!(hooks.tier_release(block).is_continue());
+    let v = hooks.tier_load(pool, a, page(2, 1), block, 9);
+    assert_eq!(v.kind(), Some(ViolationKind::TierLoadUnstored));
+    assert_eq!(s.violation_count(), 3);
+}
+
+/// A 1.5 table has no tier hooks: a tier's calls continue and nothing is
+/// asked of the library.
+#[test]
+fn a_version_1_5_table_is_attached_and_its_tier_calls_continue_unchecked() {
+    let s = sanitizer();
+    let mut t = tier_table(&s);
+    t.version_minor = 5;
+    t.size = 152;
+    // SAFETY: a whole table on the stack (larger than its declared size).
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(&t) }.expect("attached"));
+    let pool = hooks.pool_register(&geometry(), PoolId(99));
+    let owner = Owner {
+        request: RequestId(1),
+        tenant: TenantId(7),
+    };
+    let page = PageRef {
+        page: PageId(0),
+        generation: Generation(1),
+    };
+    // A load of a block never stored: tier-load-unstored, were it asked.
+    let block = TierBlockId::new(0, 1);
+    assert!(hooks.alloc(pool, owner, page, 1).is_continue());
+    assert!(hooks.tier_load(pool, owner, page, block, 2).is_continue());
+    assert_eq!(s.violation_count(), 0);
 }
 
 fn geometry() -> PoolGeometry {

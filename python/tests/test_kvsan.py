@@ -111,6 +111,34 @@ def test_a_transfer_is_written_where_it_lands_and_committed_only_when_complete(s
     assert pre.transfer_send(req, [unwritten], 0, 1).kind == "unwritten-transfer"
 
 
+def test_a_tier_block_carries_its_pages_identity_out_and_back(san):
+    # A preempted request's page goes to the host tier (block 40) and comes
+    # back into another page: what it wrote is readable, the rest is not;
+    # another request may not have the block, and a second page may not
+    # share it.
+    p = pool(san)
+    a, b = owner(3), owner(4)
+    running(san, a, b)
+    host, block = 0, 40
+    page = p.alloc(a, 0)
+    assert p.write(a, page, range(0, 3)).ok
+    assert p.tier_store(a, page, host, block).ok
+    assert san.tier_store_done(host, block, digest=0x51).ok
+    assert p.free(a, page).ok
+    back = p.alloc(a, 1)
+    assert p.tier_load(a, back, host, block).ok
+    assert p.tier_verify(a, back, host, block, 0x51).ok
+    assert p.read(a, [back], 3).ok
+    assert p.read(a, [back], 4).kind == "stale-read"
+    theirs = p.alloc(b, 2)
+    assert p.write(b, theirs, range(0, SLOTS)).ok
+    assert p.tier_store(b, theirs, host, block).kind == "tier-block-aliased"
+    assert p.tier_load(b, theirs, host, block).kind == "tier-foreign-load"
+    assert p.tier_verify(a, back, host, block, 0x52).kind == "tier-digest-mismatch"
+    assert san.tier_release(host, block).ok
+    assert p.tier_load(a, back, host, block).kind == "tier-load-unstored"
+
+
 def test_a_call_the_library_refuses_raises_naming_the_limit(san):
     p = pool(san)
     a = owner()

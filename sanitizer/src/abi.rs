@@ -14,7 +14,8 @@
 //! ```text
 //!  const KvsanHookTable *kvsan_hook_table_v1(void);   // the exported getter
 //!
-//!  KvsanHookTable (152 bytes on LP64, #[repr(C)], version 1.5; a 1.2 to
+//!  KvsanHookTable (192 bytes on LP64, #[repr(C)], version 1.6; a 1.5
+//!  table ends after transfer_verify, 152 bytes; a 1.2 to
 //!  1.4 table ends after declare_salt, 136 bytes (1.3 and 1.4 added C
 //!  functions, not hooks); a 1.1 table after request_event_at, 120 bytes; a
 //!  1.0 table before kernel_shadow, 96 bytes)
@@ -22,7 +23,7 @@
 //!  +----+----+---------------------------------------------------------------+
 //!  |  0 |  4 | size            u32  sizeof the table as the library built it  |
 //!  |  4 |  2 | version_major   u16  1; another major is not attached          |
-//!  |  6 |  2 | version_minor   u16  5; a newer minor only appends fields      |
+//!  |  6 |  2 | version_minor   u16  6; a newer minor only appends fields      |
 //!  |  8 |  4 | flags           u32  bit 0 KVSAN_FLAG_POISON: poison freed pages|
 //!  | 12 |  4 | quarantine_pages u32 freed pages held back before reuse       |
 //!  | 16 |  8 | ctx             void* passed as first argument to every hook  |
@@ -46,6 +47,15 @@
 //!  |128 |  8 | declare_salt    (ctx, KvsanOwner, u64 salt)               1.2  |
 //!  |136 |  8 | transfer_land   (ctx, u32 pool, const KvsanPageLanding*)  1.5  |
 //!  |144 |  8 | transfer_verify (ctx, u32 pool, const KvsanPageLanding*)  1.5  |
+//!  |152 |  8 | tier_store      (ctx, u32 pool, KvsanOwner, KvsanPageRef,  1.6  |
+//!  |    |    |                  u32 tier, u64 block, u64 step)                |
+//!  |160 |  8 | tier_store_done (ctx, u32 tier, u64 block, u64 digest,    1.6  |
+//!  |    |    |                  u32 stored)                                   |
+//!  |168 |  8 | tier_load       (ctx, u32 pool, KvsanOwner, KvsanPageRef,  1.6  |
+//!  |    |    |                  u32 tier, u64 block, u64 step)                |
+//!  |176 |  8 | tier_verify     (ctx, u32 pool, KvsanOwner, KvsanPageRef,  1.6  |
+//!  |    |    |                  u32 tier, u64 block, u64 digest)              |
+//!  |184 |  8 | tier_release    (ctx, u32 tier, u64 block)                1.6  |
 //!  +----+----+---------------------------------------------------------------+
 //!  every hook returns KvsanVerdict by value:
 //!  +----+----+---------------------------------------------------------------+
@@ -95,6 +105,14 @@
 //! manifest's slots written, as before, and where the bytes land is not
 //! checked.
 //!
+//! The tier hooks follow a page's KV out of its pool and back (see
+//! `kvsan_sanitizer::tier`): `tier_store` when a store into a tier block
+//! starts reading a page, `tier_store_done` when it completed or failed,
+//! `tier_load` before a copy of the block into a page (only then are its
+//! slots written), `tier_verify` with the digest of what landed, and
+//! `tier_release` when the tier lets go of the block. A 1.5 library has
+//! none: an engine's tiers then go unchecked.
+//!
 //! `request_event` moves the whole process's view of a request;
 //! `request_event_at` moves the view of the node that owns `pool` only, so
 //! a cancel decode reports does not end prefill's view before prefill is
@@ -141,8 +159,10 @@ pub const HOOK_TABLE_VERSION_MAJOR: u16 = 1;
 /// `KVSAN_ERR_DEVICE`; 4 the NVTX registration of an engine's pool
 /// (`kvsan_nvtx_*`, [`KvsanNvtxPlane`]), neither a table field; 5 the
 /// landing hooks `transfer_land` and `transfer_verify`
-/// ([`KvsanPageLanding`]) and [`KVSAN_POOL_REPORTS_LANDING`].
-pub const HOOK_TABLE_VERSION_MINOR: u16 = 5;
+/// ([`KvsanPageLanding`]) and [`KVSAN_POOL_REPORTS_LANDING`]; 6 the tier
+/// hooks `tier_store`, `tier_store_done`, `tier_load`, `tier_verify` and
+/// `tier_release`.
+pub const HOOK_TABLE_VERSION_MINOR: u16 = 6;
 /// Bit of [`KvsanPoolGeometry::role`]: the engine reports where received KV
 /// lands (`transfer_land`, `transfer_verify`), so `transfer_recv` only
 /// reserves the destination pages ([`crate::Landing::Reported`]). Without
@@ -491,6 +511,14 @@ pub type DeclareSaltFn = fn_of::declare_salt;
 /// `transfer_land` and `transfer_verify`: one destination page of a
 /// transfer.
 pub type LandingFn = fn_of::transfer_land;
+/// `tier_store` and `tier_load`: a page and a tier block.
+pub type TierPageFn = fn_of::tier_store;
+/// `tier_store_done`: a store completed or failed.
+pub type TierStoreDoneFn = fn_of::tier_store_done;
+/// `tier_verify`: the digest of what a load put in a page.
+pub type TierVerifyFn = fn_of::tier_verify;
+/// `tier_release`: the tier let go of a block.
+pub type TierReleaseFn = fn_of::tier_release;
 
 macro_rules! define_hook_table {
     ($(
@@ -934,8 +962,12 @@ pub const fn status_of(error: &SanitizerError) -> AbiStatus {
         | SanitizerError::LayerOutOfRange { .. }
         | SanitizerError::TokensBeyondTable { .. }
         | SanitizerError::BadBatch { .. } => KVSAN_ERR_OUT_OF_RANGE,
-        SanitizerError::BadGeometry { .. } => KVSAN_ERR_BAD_GEOMETRY,
-        SanitizerError::ReservedRequest { .. } => KVSAN_ERR_INVALID_ARGUMENT,
+        SanitizerError::BadGeometry { .. } | SanitizerError::TierGeometry { .. } => {
+            KVSAN_ERR_BAD_GEOMETRY
+        }
+        SanitizerError::ReservedRequest { .. } | SanitizerError::TierBlockNotStoring { .. } => {
+            KVSAN_ERR_INVALID_ARGUMENT
+        }
         SanitizerError::UnknownOption { .. }
         | SanitizerError::BadOptionValue { .. }
         | SanitizerError::MalformedOption { .. }
@@ -1075,7 +1107,8 @@ mod tests {
         assert_eq!(hook_table_size(2), 136);
         assert_eq!(hook_table_size(4), 136);
         assert_eq!(hook_table_size(5), 152);
-        assert_eq!(hook_table_size(5), size_of::<KvsanHookTable>());
+        assert_eq!(hook_table_size(6), 192);
+        assert_eq!(hook_table_size(6), size_of::<KvsanHookTable>());
         assert_eq!(KvsanHookTable::offset_of(Hook::TransferLand), Some(136));
         assert_eq!(KvsanHookTable::offset_of(Hook::TransferVerify), Some(144));
         assert_eq!(KvsanHookTable::offset_of(Hook::Share), Some(120));

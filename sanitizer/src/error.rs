@@ -144,6 +144,34 @@ pub enum SanitizerError {
         /// What is wrong, with the values and the limit.
         what: String,
     },
+    /// A tier store was said to complete or fail where none is in flight.
+    #[error("tier {tier} block {block}: no store into it is in flight (it is {state})")]
+    TierBlockNotStoring {
+        /// The tier.
+        tier: u32,
+        /// The block.
+        block: u64,
+        /// What the block is: `stored`, `failed`, or `unknown`.
+        state: &'static str,
+    },
+    /// A tier block loaded into a pool whose pages have another shape than
+    /// the page it was stored from.
+    #[error(
+        "tier {tier} block {block} holds a page of {} slots x {} layers; pool {pool} has pages of {} slots x {} layers",
+        stored.0, stored.1, pool_shape.0, pool_shape.1
+    )]
+    TierGeometry {
+        /// The tier.
+        tier: u32,
+        /// The block.
+        block: u64,
+        /// The pool loaded into.
+        pool: u32,
+        /// The stored page's slots and layers.
+        stored: (u32, u32),
+        /// The pool's slots and layers per page.
+        pool_shape: (u32, u32),
+    },
     /// The report log file could not be opened.
     #[error("cannot open kvsan log file {path}")]
     LogFile {

@@ -32,6 +32,12 @@ pub enum EventKind {
     Share,
     /// A holder let go of the page.
     Free,
+    /// A store of the page into a tier block started (`offload`).
+    #[serde(rename = "offload")]
+    TierStore,
+    /// A load from a tier block put KV into the page (`reload`).
+    #[serde(rename = "reload")]
+    TierLoad,
 }
 
 impl EventKind {
@@ -47,6 +53,8 @@ impl EventKind {
             EventKind::Commit => "commit",
             EventKind::Share => "share",
             EventKind::Free => "free",
+            EventKind::TierStore => "offload",
+            EventKind::TierLoad => "reload",
         }
     }
 }

@@ -256,6 +256,86 @@ macro_rules! for_each_hook {
                 table(5, LandingFn),
                 export(kvsan_transfer_verify, verdict),
                 engine(fn transfer_verify(pool: PoolId, landing: &PageLanding) -> Verdict);
+
+            /// A store of `page` into block `block` of tier `tier` (host
+            /// memory, disk: the engine's numbers) starts, for `owner` (a
+            /// preempted request, or the prefix cache moving a cached page
+            /// down a tier). The block takes the page's identity: owner,
+            /// salt, generation, written slots.
+            TierStore = tier_store(
+                pool: u32,
+                owner: KvsanOwner,
+                page: KvsanPageRef,
+                tier: u32,
+                block: u64,
+                step: u64
+            ) => TierBlockAliased,
+                table(6, TierPageFn),
+                export(kvsan_tier_store, verdict),
+                engine(fn tier_store(
+                    pool: PoolId,
+                    owner: Owner,
+                    page: PageRef,
+                    block: TierBlockId,
+                    step: u64
+                ) -> Verdict);
+
+            /// The store into the block completed (`stored` 1: the tier
+            /// holds the page's KV, `digest` the engine's digest of it) or
+            /// failed (`stored` 0: the block is never loaded).
+            TierStoreDone = tier_store_done(tier: u32, block: u64, digest: u64, stored: u32)
+                => TierStoreSourceReused,
+                table(6, TierStoreDoneFn),
+                export(kvsan_tier_store_done, verdict),
+                engine(fn tier_store_done(block: TierBlockId, digest: u64, stored: bool) -> Verdict);
+
+            /// A load of the block is about to copy it into `page` for
+            /// `owner`. Only on `Continue` may it write; then the slots the
+            /// store found written count as written.
+            TierLoad = tier_load(
+                pool: u32,
+                owner: KvsanOwner,
+                page: KvsanPageRef,
+                tier: u32,
+                block: u64,
+                step: u64
+            ) => TierLoadUnstored,
+                table(6, TierPageFn),
+                export(kvsan_tier_load, verdict),
+                engine(fn tier_load(
+                    pool: PoolId,
+                    owner: Owner,
+                    page: PageRef,
+                    block: TierBlockId,
+                    step: u64
+                ) -> Verdict);
+
+            /// The loaded KV is in `page`: `digest`, the engine's digest of
+            /// what the page holds, against the store's.
+            TierVerify = tier_verify(
+                pool: u32,
+                owner: KvsanOwner,
+                page: KvsanPageRef,
+                tier: u32,
+                block: u64,
+                digest: u64
+            ) => TierDigestMismatch,
+                table(6, TierVerifyFn),
+                export(kvsan_tier_verify, verdict),
+                engine(fn tier_verify(
+                    pool: PoolId,
+                    owner: Owner,
+                    page: PageRef,
+                    block: TierBlockId,
+                    digest: u64
+                ) -> Verdict);
+
+            /// The tier let go of the block (evicted, its memory reused): it
+            /// may not be loaded again.
+            TierRelease = tier_release(tier: u32, block: u64) => TierLoadUnstored,
+                table(6, TierReleaseFn),
+                export(kvsan_tier_release, verdict),
+                engine(fn tier_release(block: TierBlockId) -> Verdict);
         }
     };
 

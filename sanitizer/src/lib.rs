@@ -23,12 +23,13 @@
 //! | `history` | per-page origin ring |
 //! | `stats` | sharded counters of the checks performed |
 //! | `lifecycle` | request states and legal transitions |
+//! | `tier` | `TierBlockId`: KV pages stored out of their pool (host memory, disk) and the identity they carry back |
 //! | `transfer` | `Manifest` |
 //! | `violation` | the list of violation kinds, ids, counters, `Verdict` |
 //! | `report` | human and JSON reports, the sink |
 //! | `options` | the options table and `KVSAN_OPTIONS` parser |
 //! | `error` | `SanitizerError` (API misuse) |
-//! | `sanitizer` | the `Sanitizer` facade (`mod.rs`: construction, pools, queries) and its hooks: `events.rs` (pool registration, request events), `pages.rs` (alloc, free, share, host write and read), `transfer.rs` (send, receive, commit), `kernel.rs` (the kernel-shadow view, refused kernel accesses), `finding.rs` (the cold path that numbers and reports a violation) |
+//! | `sanitizer` | the `Sanitizer` facade (`mod.rs`: construction, pools, queries) and its hooks: `events.rs` (pool registration, request events), `pages.rs` (alloc, free, share, host write and read), `transfer.rs` (send, receive, commit), `tier.rs` (tier store, load, verify, release), `kernel.rs` (the kernel-shadow view, refused kernel accesses), `finding.rs` (the cold path that numbers and reports a violation) |
 #![warn(missing_docs)]
 
 pub mod abi;
@@ -51,6 +52,7 @@ pub mod shadow;
 pub mod stats;
 #[doc(hidden)]
 pub mod sync;
+pub mod tier;
 pub mod transfer;
 pub mod violation;
 
@@ -70,5 +72,6 @@ pub use report::{PageReport, Report, ReportBuffer};
 pub use sanitizer::{MAX_POOLS, PageInfo, Sanitizer};
 pub use shadow::PageState;
 pub use stats::Checks;
+pub use tier::{TierBlockId, TierBlockState};
 pub use transfer::{Landing, Manifest, PageLanding};
 pub use violation::{Verdict, Violation, ViolationId, ViolationKind};

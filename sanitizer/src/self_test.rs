@@ -22,6 +22,7 @@ use crate::kernel_shadow::{AccessOp, KernelAccess};
 use crate::lifecycle::RequestEvent;
 use crate::options::{OnViolation, Options, SharePolicy};
 use crate::sanitizer::Sanitizer;
+use crate::tier::TierBlockId;
 use crate::transfer::{Manifest, PageLanding};
 use crate::violation::{Verdict, ViolationKind};
 
@@ -31,6 +32,7 @@ const ALL: Range<u32> = 0..LAYERS;
 const A: Owner = Owner::new(4, 1);
 const B: Owner = Owner::new(7, 2);
 const A2: Owner = Owner::new(9, 1);
+const BLOCK: TierBlockId = TierBlockId::new(0, 1);
 
 /// What the self-test did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -150,6 +152,16 @@ impl Bench {
         Ok(m)
     }
 
+    /// A's written page 2 stored into `block` (digest 1).
+    fn stored(&self, block: TierBlockId) -> Step {
+        let page = self.written()?;
+        self.legal(
+            self.san.tier_store(self.decode, A, page, block, 4)?,
+            "tier store",
+        )?;
+        self.legal(self.san.tier_store_done(block, 1, true)?, "tier store done")
+    }
+
     /// What the scenario of `kind` returns: the verdict of its last call.
     fn provoke(&self, kind: ViolationKind) -> Result<Verdict, SanitizerError> {
         use ViolationKind as K;
@@ -263,6 +275,33 @@ impl Bench {
                     ..Bench::landing(&m, 0, 0..SLOTS)
                 };
                 s.transfer_verify(d, &landing)?
+            }
+            K::TierBlockAliased => {
+                self.stored(BLOCK)?;
+                let other = self.alloc(d, 3, B)?;
+                self.write(d, B, other, 0..SLOTS)?;
+                s.tier_store(d, B, other, BLOCK, 4)?
+            }
+            K::TierStoreSourceReused => {
+                let page = self.written()?;
+                self.legal(s.tier_store(d, A, page, BLOCK, 4)?, "tier store")?;
+                self.free(d, A, page)?;
+                s.tier_store_done(BLOCK, 1, true)?
+            }
+            K::TierLoadUnstored => {
+                let dst = self.alloc(d, 3, A)?;
+                s.tier_load(d, A, dst, BLOCK, 4)?
+            }
+            K::TierForeignLoad => {
+                self.stored(BLOCK)?;
+                let dst = self.alloc(d, 3, B)?;
+                s.tier_load(d, B, dst, BLOCK, 4)?
+            }
+            K::TierDigestMismatch => {
+                self.stored(BLOCK)?;
+                let dst = self.alloc(d, 3, A)?;
+                self.legal(s.tier_load(d, A, dst, BLOCK, 4)?, "tier load")?;
+                s.tier_verify(d, A, dst, BLOCK, 2)?
             }
         })
     }

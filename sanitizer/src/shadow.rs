@@ -604,6 +604,32 @@ impl PageView<'_> {
         });
     }
 
+    /// The page's word if `who` may write it through a tag at `generation`:
+    /// `generation-mismatch`, `write-after-free`, `foreign-write` (`who` is
+    /// not the holding owner, or it is but the page is shared),
+    /// `terminal-request-activity` otherwise.
+    #[inline]
+    fn writable_by(
+        &self,
+        who: RequestId,
+        generation: Generation,
+    ) -> Result<StateWord, (ViolationKind, StateWord)> {
+        let cur = self.rec.load();
+        if cur.generation() != generation {
+            return Err((ViolationKind::GenerationMismatch, cur));
+        }
+        if cur.state().is_free() {
+            return Err((ViolationKind::WriteAfterFree, cur));
+        }
+        if !self.rec.held_by(cur, who) || cur.has(FLAG_SHARED) {
+            return Err((ViolationKind::ForeignWrite, cur));
+        }
+        if cur.has(FLAG_TERMINAL_OWNER) {
+            return Err((ViolationKind::TerminalRequestActivity, cur));
+        }
+        Ok(cur)
+    }
+
     /// A KV write by `who` into `slots × layers` through a `PageRef` at `generation`.
     ///
     /// Returns whether this is the generation's first logged write, or the
@@ -619,19 +645,7 @@ impl PageView<'_> {
         slots: Range<u32>,
         layers: &Range<u32>,
     ) -> Result<bool, (ViolationKind, StateWord)> {
-        let cur = self.rec.load();
-        if cur.generation() != generation {
-            return Err((ViolationKind::GenerationMismatch, cur));
-        }
-        if cur.state().is_free() {
-            return Err((ViolationKind::WriteAfterFree, cur));
-        }
-        if !self.rec.held_by(cur, who) || cur.has(FLAG_SHARED) {
-            return Err((ViolationKind::ForeignWrite, cur));
-        }
-        if cur.has(FLAG_TERMINAL_OWNER) {
-            return Err((ViolationKind::TerminalRequestActivity, cur));
-        }
+        let cur = self.writable_by(who, generation)?;
         self.set_bits(slots, layers);
         if cur.has(FLAG_WRITE_LOGGED) {
             return Ok(false);
@@ -832,6 +846,38 @@ impl PageView<'_> {
         }
         if mark {
             self.set_bits(slots, layers);
+        }
+        Ok(())
+    }
+
+    /// The written words now, in the pool's bit layout (what a tier store
+    /// carries away).
+    #[must_use]
+    pub fn written_words(&self) -> Box<[u64]> {
+        self.bits
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// A copy by `who` that brings a stored written map (`words`, this
+    /// pool's bit layout) back into the page through a tag at
+    /// `generation`: checked like [`PageView::write`] (the copy writes
+    /// every slot it brings); on success the words' bits are set.
+    ///
+    /// # Errors
+    /// As [`PageView::write`]; no bits are set then.
+    pub fn load_words(
+        &self,
+        who: RequestId,
+        generation: Generation,
+        words: &[u64],
+    ) -> Result<(), (ViolationKind, StateWord)> {
+        self.writable_by(who, generation)?;
+        for (word, &set) in self.bits.iter().zip(words) {
+            if set != 0 && word.load(Ordering::Relaxed) & set != set {
+                word.fetch_or(set, Ordering::Relaxed);
+            }
         }
         Ok(())
     }

@@ -40,6 +40,11 @@ macro_rules! for_each_violation_kind {
             UnwrittenShare = 17 => "unwritten-share", "the prefix cache shares a page before its owner wrote every slot of every layer of it";
             MisdirectedTransfer = 18 => "misdirected-transfer", "received KV is copied into a page the receiving request does not hold, or holds but did not reserve for an incoming transfer";
             TransferDigestMismatch = 19 => "transfer-digest-mismatch", "the KV found in a destination page after a transfer is not what the sender sent for those tokens";
+            TierBlockAliased = 20 => "tier-block-aliased", "a store into a tier block that still holds, or is still storing, another page's KV: two pages would map to one block";
+            TierStoreSourceReused = 21 => "tier-store-source-reused", "a tier store's source page was freed or re-allocated before the store completed";
+            TierLoadUnstored = 22 => "tier-load-unstored", "a load from a tier block whose store never completed, failed, or was released";
+            TierForeignLoad = 23 => "tier-foreign-load", "a tier block is loaded for a request it does not belong to: not the request stored, and not a sharer the isolation policy allows for a prefix-cache block";
+            TierDigestMismatch = 24 => "tier-digest-mismatch", "the KV found in a page after a tier load is not what the store put in the tier block";
         }
     };
 }
@@ -294,6 +299,11 @@ mod tests {
             ("unwritten-share", 17),
             ("misdirected-transfer", 18),
             ("transfer-digest-mismatch", 19),
+            ("tier-block-aliased", 20),
+            ("tier-store-source-reused", 21),
+            ("tier-load-unstored", 22),
+            ("tier-foreign-load", 23),
+            ("tier-digest-mismatch", 24),
         ];
         assert_eq!(
             frozen.len(),
@@ -305,7 +315,7 @@ mod tests {
             assert_eq!(kind.code(), code, "{name}'s ABI code changed");
             assert_eq!(ViolationKind::from_code(code), Some(kind));
         }
-        assert_eq!(ViolationKind::from_code(20), None);
+        assert_eq!(ViolationKind::from_code(25), None);
     }
 
     #[test]

@@ -5,7 +5,9 @@
 mod common;
 
 use common::*;
-use kvsan_sanitizer::{PageId, PageRef, PageState, RequestEvent, Verdict, ViolationKind};
+use kvsan_sanitizer::{
+    PageId, PageRef, PageState, RequestEvent, TierBlockId, TierBlockState, Verdict, ViolationKind,
+};
 
 /// Asserts `v` aborts with `kind`, that exactly one violation was recorded,
 /// and that its report matches the golden file.
@@ -978,4 +980,174 @@ fn kv_found_not_to_match_marks_nothing_written() {
         .transfer_commit(f.decode, A, &m.dst_pages, 16)
         .unwrap();
     assert_eq!(v.kind(), Some(ViolationKind::ShortTransfer));
+}
+
+// ------------------------------------------------------------------- tiers
+
+const HOST: u32 = 0;
+
+/// Request 4's page 2, written for every layer, stored into block 9 of the
+/// host tier (digest 0x51), the store completed: what a preempted request
+/// left in the tier.
+fn stored_in_tier(f: &Fixture) -> (PageRef, TierBlockId) {
+    let page = f.alloc(f.decode, 2, A, 10);
+    f.write_all(f.decode, A, page, 0..SLOTS, 11);
+    let block = TierBlockId::new(HOST, 9);
+    let v = f.san.tier_store(f.decode, A, page, block, 12).unwrap();
+    assert!(v.is_continue(), "{v:?}");
+    let v = f.san.tier_store_done(block, 0x51, true).unwrap();
+    assert!(v.is_continue(), "{v:?}");
+    (page, block)
+}
+
+// ------------------------------------------------------- tier-block-aliased
+
+/// TensorRT-LLM#8813's class: two device pages offloaded into one host
+/// block in one step — the second store overwrites KV the first request
+/// will load back.
+#[test]
+fn a_store_into_a_block_that_holds_another_page_is_tier_block_aliased() {
+    let f = fixture();
+    let (_, block) = stored_in_tier(&f);
+    let other = f.alloc(f.decode, 3, B, 20);
+    f.write_all(f.decode, B, other, 0..SLOTS, 21);
+    let v = f.san.tier_store(f.decode, B, other, block, 22).unwrap();
+    assert_provoked(&f, v, ViolationKind::TierBlockAliased);
+    // The block still holds request 4's KV.
+    assert_eq!(f.san.tier_block_state(block), Some(TierBlockState::Stored));
+}
+
+#[test]
+fn a_store_into_a_block_the_tier_released_passes() {
+    let f = fixture();
+    let (_, block) = stored_in_tier(&f);
+    assert!(f.san.tier_release(block).is_continue());
+    let other = f.alloc(f.decode, 3, B, 20);
+    f.write_all(f.decode, B, other, 0..SLOTS, 21);
+    let v = f.san.tier_store(f.decode, B, other, block, 22).unwrap();
+    assert_clean(&f, v);
+}
+
+// ------------------------------------------------- tier-store-source-reused
+
+/// LMCache#4955's class: a store still reading its source page when the
+/// request is preempted and the page handed to another request.
+#[test]
+fn a_store_whose_source_page_was_reused_before_it_completed_is_caught() {
+    let f = fixture();
+    let page = f.alloc(f.decode, 2, A, 10);
+    f.write_all(f.decode, A, page, 0..SLOTS, 11);
+    let block = TierBlockId::new(HOST, 9);
+    assert!(
+        f.san
+            .tier_store(f.decode, A, page, block, 12)
+            .unwrap()
+            .is_continue()
+    );
+    f.free(f.decode, A, page, 13);
+    let reused = f.alloc(f.decode, 2, B, 14);
+    f.write_all(f.decode, B, reused, 0..SLOTS, 15);
+    let v = f.san.tier_store_done(block, 0x51, true).unwrap();
+    assert_provoked(&f, v, ViolationKind::TierStoreSourceReused);
+    // What the tier holds may be request 7's: never loaded.
+    assert_eq!(f.san.tier_block_state(block), Some(TierBlockState::Failed));
+}
+
+#[test]
+fn a_page_freed_after_its_store_completed_passes() {
+    let f = fixture();
+    let (page, block) = stored_in_tier(&f);
+    f.free(f.decode, A, page, 13);
+    let reused = f.alloc(f.decode, 2, B, 14);
+    f.write_all(f.decode, B, reused, 0..SLOTS, 15);
+    assert_eq!(f.san.tier_block_state(block), Some(TierBlockState::Stored));
+    let back = f.alloc(f.decode, 5, A, 16);
+    let v = f.san.tier_load(f.decode, A, back, block, 17).unwrap();
+    assert_clean(&f, v);
+}
+
+// ------------------------------------------------------- tier-load-unstored
+
+/// dynamo#15079's class: a load from a block no completed store filled,
+/// counted as a hit.
+#[test]
+fn a_load_from_a_block_never_stored_is_tier_load_unstored() {
+    let f = fixture();
+    let dst = f.alloc(f.decode, 5, A, 16);
+    let v = f
+        .san
+        .tier_load(f.decode, A, dst, TierBlockId::new(HOST, 9), 17)
+        .unwrap();
+    assert_provoked(&f, v, ViolationKind::TierLoadUnstored);
+}
+
+#[test]
+fn a_load_from_a_completed_store_passes_and_writes_what_was_stored() {
+    let f = fixture();
+    let (_, block) = stored_in_tier(&f);
+    let dst = f.alloc(f.decode, 5, A, 16);
+    let v = f.san.tier_load(f.decode, A, dst, block, 17).unwrap();
+    assert_clean(&f, v);
+    let v = f.san.read(f.decode, A, &[dst], 16, ALL, 18).unwrap();
+    assert_clean(&f, v);
+}
+
+// -------------------------------------------------------- tier-foreign-load
+
+/// TensorRT-LLM#8830's class (a reused offloaded block takes the wrong
+/// block's state) and a tier index keyed by a reused id: request 7 is
+/// served request 4's KV.
+#[test]
+fn a_block_loaded_for_another_request_is_tier_foreign_load() {
+    let f = fixture();
+    let (_, block) = stored_in_tier(&f);
+    let dst = f.alloc(f.decode, 5, B, 16);
+    let v = f.san.tier_load(f.decode, B, dst, block, 17).unwrap();
+    assert_provoked(&f, v, ViolationKind::TierForeignLoad);
+}
+
+#[test]
+fn a_block_loaded_back_by_the_request_it_was_stored_for_passes() {
+    let f = fixture();
+    let (_, block) = stored_in_tier(&f);
+    let dst = f.alloc(f.decode, 5, A, 16);
+    let v = f.san.tier_load(f.decode, A, dst, block, 17).unwrap();
+    assert_clean(&f, v);
+}
+
+// ----------------------------------------------------- tier-digest-mismatch
+
+/// LMCache#5151's class: the KV restored is not what was stored while
+/// the tier reports a full hit.
+#[test]
+fn kv_found_after_a_load_that_is_not_what_was_stored_is_tier_digest_mismatch() {
+    let f = fixture();
+    let (_, block) = stored_in_tier(&f);
+    let dst = f.alloc(f.decode, 5, A, 16);
+    assert!(
+        f.san
+            .tier_load(f.decode, A, dst, block, 17)
+            .unwrap()
+            .is_continue()
+    );
+    let v = f.san.tier_verify(f.decode, A, dst, block, 0xbad).unwrap();
+    assert_provoked(&f, v, ViolationKind::TierDigestMismatch);
+    // Digests are never printed.
+    let text = f.out.text();
+    assert!(!text.contains("bad") && !text.contains("51"), "{text}");
+}
+
+#[test]
+fn kv_found_after_a_load_that_matches_the_store_passes() {
+    let f = fixture();
+    let (_, block) = stored_in_tier(&f);
+    let dst = f.alloc(f.decode, 5, A, 16);
+    assert!(
+        f.san
+            .tier_load(f.decode, A, dst, block, 17)
+            .unwrap()
+            .is_continue()
+    );
+    let v = f.san.tier_verify(f.decode, A, dst, block, 0x51).unwrap();
+    assert_clean(&f, v);
 }

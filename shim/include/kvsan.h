@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define KVSAN_ABI_VERSION_MAJOR 1
-#define KVSAN_ABI_VERSION_MINOR 5
+#define KVSAN_ABI_VERSION_MINOR 6
 #define KVSAN_ABI_VERSION ((uint32_t)((KVSAN_ABI_VERSION_MAJOR << 16) | KVSAN_ABI_VERSION_MINOR))
 
 /* Status codes. */
@@ -110,6 +110,11 @@ extern "C" {
 #define KVSAN_KIND_UNWRITTEN_SHARE 17u
 #define KVSAN_KIND_MISDIRECTED_TRANSFER 18u
 #define KVSAN_KIND_TRANSFER_DIGEST_MISMATCH 19u
+#define KVSAN_KIND_TIER_BLOCK_ALIASED 20u
+#define KVSAN_KIND_TIER_STORE_SOURCE_REUSED 21u
+#define KVSAN_KIND_TIER_LOAD_UNSTORED 22u
+#define KVSAN_KIND_TIER_FOREIGN_LOAD 23u
+#define KVSAN_KIND_TIER_DIGEST_MISMATCH 24u
 
 /* The request id reserved for the engine's prefix cache as a page holder
  * (UINT64_MAX; number requests below it). The cache takes a read-only
@@ -269,8 +274,18 @@ typedef KvsanVerdict (*KvsanShareFn)(void *ctx, uint32_t pool, KvsanPageRef page
                                      KvsanOwner sharer);
 typedef KvsanVerdict (*KvsanDeclareSaltFn)(void *ctx, KvsanOwner owner, uint64_t salt);
 typedef KvsanVerdict (*KvsanLandingFn)(void *ctx, uint32_t pool, const KvsanPageLanding *landing);
+typedef KvsanVerdict (*KvsanTierPageFn)(void *ctx, uint32_t pool, KvsanOwner owner,
+                                        KvsanPageRef page, uint32_t tier, uint64_t block,
+                                        uint64_t step);
+typedef KvsanVerdict (*KvsanTierStoreDoneFn)(void *ctx, uint32_t tier, uint64_t block,
+                                             uint64_t digest, uint32_t stored);
+typedef KvsanVerdict (*KvsanTierVerifyFn)(void *ctx, uint32_t pool, KvsanOwner owner,
+                                          KvsanPageRef page, uint32_t tier, uint64_t block,
+                                          uint64_t digest);
+typedef KvsanVerdict (*KvsanTierReleaseFn)(void *ctx, uint32_t tier, uint64_t block);
 
-/* Version 1.5, 152 bytes on LP64 (1.2 to 1.4 end before transfer_land,
+/* Version 1.6, 192 bytes on LP64 (1.5 ends before tier_store, 152 bytes;
+ * 1.2 to 1.4 end before transfer_land,
  * 136 bytes: 1.3 and 1.4 added C functions, not hooks; 1.1 ends before
  * share, 120 bytes; 1.0 before kernel_shadow, 96 bytes). `size` first; a
  * newer minor only appends. */
@@ -297,6 +312,11 @@ typedef struct KvsanHookTable {
     KvsanDeclareSaltFn declare_salt;        /* 1.2 */
     KvsanLandingFn transfer_land;           /* 1.5 */
     KvsanLandingFn transfer_verify;         /* 1.5 */
+    KvsanTierPageFn tier_store;             /* 1.6 */
+    KvsanTierStoreDoneFn tier_store_done;   /* 1.6 */
+    KvsanTierPageFn tier_load;              /* 1.6 */
+    KvsanTierVerifyFn tier_verify;          /* 1.6 */
+    KvsanTierReleaseFn tier_release;        /* 1.6 */
 } KvsanHookTable;
 
 /* The table, valid for the rest of the process; NULL if the library refused
@@ -513,6 +533,43 @@ int32_t kvsan_transfer_verify(uint32_t pool, const KvsanPageLanding *landing, si
 int32_t kvsan_transfer_commit(uint32_t pool, KvsanOwner owner, const KvsanPageRef *table,
                               size_t table_len, uint64_t committed_tokens,
                               KvsanVerdict *verdict_out);
+
+/* ---- KV tiers (since ABI 1.6) ---------------------------------------------- */
+
+/* An engine that moves KV pages out of a pool (host memory, disk) and back
+ * names each tier block (tier, block) with its own numbers, and reports:
+ *   1. kvsan_tier_store when a store into a block starts reading `page`, for
+ *      `owner` (the request, or the prefix cache's owner
+ *      {KVSAN_PREFIX_CACHE_REQUEST, <the writer's tenant>, 0} evicting a
+ *      cached page). The page must be held by the owner at its tag; a block
+ *      still storing or holding another page is tier-block-aliased. The
+ *      block takes the page's identity: its writer and salt, whether it is
+ *      the prefix cache's, its written slots now.
+ *   2. kvsan_tier_store_done when the store completed (stored = 1, with the
+ *      engine's digest of what the tier holds) or failed (stored = 0). A
+ *      source page freed or re-allocated before the store completed is
+ *      tier-store-source-reused; such a block, like a failed one, is never
+ *      loaded.
+ *   3. kvsan_tier_load before each copy of a block into a page: only on
+ *      KVSAN_VERDICT_CONTINUE may the copy write, and then exactly the slots
+ *      the store found written count as written. A block whose store did
+ *      not complete is tier-load-unstored; another request's block, or a
+ *      prefix-cache block the isolation policy keeps from `owner`, is
+ *      tier-foreign-load; the page is checked like a store into it.
+ *   4. kvsan_tier_verify once the bytes are there, with the engine's digest
+ *      of what the page holds: unequal to the store's, tier-digest-mismatch.
+ *   5. kvsan_tier_release when the tier lets go of the block.
+ * Digests are the engine's (any 64-bit digest of the page's bytes, the same
+ * at store and load); reports never print them. */
+int32_t kvsan_tier_store(uint32_t pool, KvsanOwner owner, KvsanPageRef page, uint32_t tier,
+                         uint64_t block, uint64_t step, KvsanVerdict *verdict_out);
+int32_t kvsan_tier_store_done(uint32_t tier, uint64_t block, uint64_t digest, uint32_t stored,
+                              KvsanVerdict *verdict_out);
+int32_t kvsan_tier_load(uint32_t pool, KvsanOwner owner, KvsanPageRef page, uint32_t tier,
+                        uint64_t block, uint64_t step, KvsanVerdict *verdict_out);
+int32_t kvsan_tier_verify(uint32_t pool, KvsanOwner owner, KvsanPageRef page, uint32_t tier,
+                          uint64_t block, uint64_t digest, KvsanVerdict *verdict_out);
+int32_t kvsan_tier_release(uint32_t tier, uint64_t block, KvsanVerdict *verdict_out);
 
 /* ---- results and diagnostics ---------------------------------------------- */
 

@@ -14,7 +14,7 @@ use kvsan_sanitizer::abi::{
 use kvsan_sanitizer::layouts::{Addresses, Array, Batch, DeviceArray, Host, MapBuffers};
 use kvsan_sanitizer::{
     Generation, Landing, Manifest, NodeRole, Owner, PageId, PageLanding, PageRef, PoolGeometry,
-    PoolId, Sanitizer, Verdict,
+    PoolId, Sanitizer, TierBlockId, Verdict,
 };
 
 use crate::attach::{sanitizer, say};
@@ -606,6 +606,105 @@ pub(crate) unsafe fn transfer_verify(
     san()?
         .transfer_verify(PoolId(pool), &l)
         .map_err(sanitizer_error(call))
+}
+
+/// A store of `page` into tier block (`tier`, `block`) starts, for `o`.
+pub(crate) fn tier_store(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    page: KvsanPageRef,
+    tier: u32,
+    block: u64,
+    step: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .tier_store(
+            PoolId(pool),
+            o,
+            page.into(),
+            TierBlockId::new(tier, block),
+            step,
+        )
+        .map_err(sanitizer_error(call))
+}
+
+/// The store into tier block (`tier`, `block`) completed (`stored` 1, with
+/// the digest of what the tier holds) or failed (`stored` 0).
+pub(crate) fn tier_store_done(
+    call: &'static str,
+    tier: u32,
+    block: u64,
+    digest: u64,
+    stored: u32,
+) -> Result<Verdict, ShimError> {
+    if stored > 1 {
+        return Err(ShimError::InvalidArgument {
+            call,
+            argument: "stored",
+            value: stored.into(),
+            allowed: "0 (the store failed) or 1 (it completed)",
+        });
+    }
+    san()?
+        .tier_store_done(TierBlockId::new(tier, block), digest, stored == 1)
+        .map_err(sanitizer_error(call))
+}
+
+/// A load of tier block (`tier`, `block`) is about to copy it into `page`
+/// for `o`.
+pub(crate) fn tier_load(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    page: KvsanPageRef,
+    tier: u32,
+    block: u64,
+    step: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .tier_load(
+            PoolId(pool),
+            o,
+            page.into(),
+            TierBlockId::new(tier, block),
+            step,
+        )
+        .map_err(sanitizer_error(call))
+}
+
+/// What a load of tier block (`tier`, `block`) put in `page` has digest
+/// `digest`.
+pub(crate) fn tier_verify(
+    call: &'static str,
+    pool: u32,
+    o: KvsanOwner,
+    page: KvsanPageRef,
+    tier: u32,
+    block: u64,
+    digest: u64,
+) -> Result<Verdict, ShimError> {
+    let o = owner(call, o)?;
+    san()?
+        .tier_verify(
+            PoolId(pool),
+            o,
+            page.into(),
+            TierBlockId::new(tier, block),
+            digest,
+        )
+        .map_err(sanitizer_error(call))
+}
+
+/// The tier let go of block (`tier`, `block`).
+pub(crate) fn tier_release(
+    _call: &'static str,
+    tier: u32,
+    block: u64,
+) -> Result<Verdict, ShimError> {
+    Ok(san()?.tier_release(TierBlockId::new(tier, block)))
 }
 
 /// The receiver starts using the first `committed` tokens of

@@ -63,7 +63,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use kvsan_sanitizer::Hook;
 use kvsan_sanitizer::{
     KernelAccess, Landing, Manifest, Owner, PageLanding, PageRef, PoolGeometry, PoolId,
-    RequestEvent, Verdict, ViolationId, ViolationKind,
+    RequestEvent, TierBlockId, Verdict, ViolationId, ViolationKind,
 };
 
 use super::{HookSettings, KvHooks, SanitizerCounters};
@@ -360,6 +360,41 @@ macro_rules! hook {
     };
 }
 
+impl CTableHooks {
+    /// `tier_store`, `tier_load` or `tier_verify` (`f`, `hook`): a page and
+    /// a tier block, then the step or the digest (`last`). A library older
+    /// than 1.6 has no tier hooks: the call continues unchecked.
+    #[allow(clippy::too_many_arguments)]
+    fn tier_page(
+        &self,
+        f: Option<TierPageFn>,
+        hook: Hook,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        block: TierBlockId,
+        last: u64,
+    ) -> Verdict {
+        let Some(f) = f else {
+            return Verdict::Continue;
+        };
+        // SAFETY: validated table (a 1.6 table's hook); every argument is
+        // passed by value.
+        let v = unsafe {
+            f(
+                self.table.ctx,
+                pool.0,
+                owner.into(),
+                page.into(),
+                block.tier,
+                block.block,
+                last,
+            )
+        };
+        self.verdict(hook, v)
+    }
+}
+
 impl KvHooks for CTableHooks {
     fn pool_register(&self, geometry: &PoolGeometry) -> Option<PoolId> {
         // A library older than 1.5 has no landing hooks: this engine then
@@ -506,6 +541,71 @@ impl KvHooks for CTableHooks {
         // SAFETY: as in `transfer_land`.
         let v = unsafe { f(self.table.ctx, pool.0, &l) };
         self.verdict(Hook::TransferVerify, v)
+    }
+
+    // A library older than 1.6 has no tier hooks: an engine's tiers then
+    // go unchecked, and every tier call continues.
+
+    fn tier_store(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        block: TierBlockId,
+        step: u64,
+    ) -> Verdict {
+        let f = self.table.tier_store;
+        self.tier_page(f, Hook::TierStore, pool, owner, page, block, step)
+    }
+
+    fn tier_store_done(&self, block: TierBlockId, digest: u64, stored: bool) -> Verdict {
+        let Some(f) = self.table.tier_store_done else {
+            return Verdict::Continue;
+        };
+        // SAFETY: as in `tier_page`.
+        let v = unsafe {
+            f(
+                self.table.ctx,
+                block.tier,
+                block.block,
+                digest,
+                u32::from(stored),
+            )
+        };
+        self.verdict(Hook::TierStoreDone, v)
+    }
+
+    fn tier_load(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        block: TierBlockId,
+        step: u64,
+    ) -> Verdict {
+        let f = self.table.tier_load;
+        self.tier_page(f, Hook::TierLoad, pool, owner, page, block, step)
+    }
+
+    fn tier_verify(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        block: TierBlockId,
+        digest: u64,
+    ) -> Verdict {
+        let f = self.table.tier_verify;
+        self.tier_page(f, Hook::TierVerify, pool, owner, page, block, digest)
+    }
+
+    fn tier_release(&self, block: TierBlockId) -> Verdict {
+        let Some(f) = self.table.tier_release else {
+            return Verdict::Continue;
+        };
+        // SAFETY: as in `tier_page`.
+        let v = unsafe { f(self.table.ctx, block.tier, block.block) };
+        self.verdict(Hook::TierRelease, v)
     }
 
     fn transfer_commit(

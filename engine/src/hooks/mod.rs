@@ -54,7 +54,7 @@ use std::sync::{Arc, OnceLock};
 
 pub use kvsan_sanitizer::{
     KernelAccess, KernelShadowHandle, Manifest, NodeRole, PageLanding, PoolGeometry, RequestEvent,
-    Verdict,
+    TierBlockId, Verdict,
 };
 use kvsan_sanitizer::{Owner, PageRef, PoolId};
 

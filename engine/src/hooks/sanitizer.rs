@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvsan_sanitizer::{
     KernelAccess, Manifest, Owner, PageLanding, PageRef, PoolGeometry, PoolId, RequestEvent,
-    Sanitizer, SanitizerError, Verdict,
+    Sanitizer, SanitizerError, TierBlockId, Verdict,
 };
 
 use super::{HookSettings, KernelShadowHandle, KvHooks, SanitizerCounters};
@@ -178,6 +178,59 @@ impl KvHooks for SanitizerHooks {
             "transfer_verify",
             self.sanitizer.transfer_verify(pool, landing),
         )
+    }
+
+    fn tier_store(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        block: TierBlockId,
+        step: u64,
+    ) -> Verdict {
+        self.verdict(
+            "tier_store",
+            self.sanitizer.tier_store(pool, owner, page, block, step),
+        )
+    }
+
+    fn tier_store_done(&self, block: TierBlockId, digest: u64, stored: bool) -> Verdict {
+        self.verdict(
+            "tier_store_done",
+            self.sanitizer.tier_store_done(block, digest, stored),
+        )
+    }
+
+    fn tier_load(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        block: TierBlockId,
+        step: u64,
+    ) -> Verdict {
+        self.verdict(
+            "tier_load",
+            self.sanitizer.tier_load(pool, owner, page, block, step),
+        )
+    }
+
+    fn tier_verify(
+        &self,
+        pool: PoolId,
+        owner: Owner,
+        page: PageRef,
+        block: TierBlockId,
+        digest: u64,
+    ) -> Verdict {
+        self.verdict(
+            "tier_verify",
+            self.sanitizer.tier_verify(pool, owner, page, block, digest),
+        )
+    }
+
+    fn tier_release(&self, block: TierBlockId) -> Verdict {
+        self.sanitizer.tier_release(block)
     }
 
     fn transfer_commit(

@@ -354,8 +354,8 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use kvsan_sanitizer::{
-        KernelAccess, Manifest, PageLanding, PageRef, PoolGeometry, TenantId, ViolationId,
-        ViolationKind,
+        KernelAccess, Manifest, PageLanding, PageRef, PoolGeometry, TenantId, TierBlockId,
+        ViolationId, ViolationKind,
     };
 
     use super::*;
@@ -422,6 +422,21 @@ mod tests {
             Verdict::Continue
         }
         fn declare_salt(&self, _: Owner, _: u64) -> Verdict {
+            Verdict::Continue
+        }
+        fn tier_store(&self, _: PoolId, _: Owner, _: PageRef, _: TierBlockId, _: u64) -> Verdict {
+            Verdict::Continue
+        }
+        fn tier_store_done(&self, _: TierBlockId, _: u64, _: bool) -> Verdict {
+            Verdict::Continue
+        }
+        fn tier_load(&self, _: PoolId, _: Owner, _: PageRef, _: TierBlockId, _: u64) -> Verdict {
+            Verdict::Continue
+        }
+        fn tier_verify(&self, _: PoolId, _: Owner, _: PageRef, _: TierBlockId, _: u64) -> Verdict {
+            Verdict::Continue
+        }
+        fn tier_release(&self, _: TierBlockId) -> Verdict {
             Verdict::Continue
         }
     }

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 ABI_VERSION_MAJOR = 1
-ABI_VERSION_MINOR = 5
+ABI_VERSION_MINOR = 6
 ABI_VERSION = (ABI_VERSION_MAJOR << 16) | ABI_VERSION_MINOR
 # KVSAN_PREFIX_CACHE_REQUEST: the request id of the prefix cache as a page
 # holder (share to register a page, free to evict it); never a request's.
@@ -152,6 +152,12 @@ SIGNATURES = {
     "kvsan_transfer_land": (c_int32, [c_uint32, POINTER(PageLanding), c_size_t, _V]),
     "kvsan_transfer_verify": (c_int32, [c_uint32, POINTER(PageLanding), c_size_t, _V]),
     "kvsan_transfer_commit": (c_int32, [c_uint32, Owner, POINTER(PageRef), c_size_t, c_uint64, _V]),
+    # KV tiers: a page stored into a tier block and loaded back (since 1.6).
+    "kvsan_tier_store": (c_int32, [c_uint32, Owner, PageRef, c_uint32, c_uint64, c_uint64, _V]),
+    "kvsan_tier_store_done": (c_int32, [c_uint32, c_uint64, c_uint64, c_uint32, _V]),
+    "kvsan_tier_load": (c_int32, [c_uint32, Owner, PageRef, c_uint32, c_uint64, c_uint64, _V]),
+    "kvsan_tier_verify": (c_int32, [c_uint32, Owner, PageRef, c_uint32, c_uint64, c_uint64, _V]),
+    "kvsan_tier_release": (c_int32, [c_uint32, c_uint64, _V]),
     "kvsan_violation_count": (c_int32, [POINTER(c_uint64)]),
     "kvsan_violation_count_of": (c_int32, [c_uint32, POINTER(c_uint64)]),
     "kvsan_check_count": (c_int32, [POINTER(c_uint64)]),

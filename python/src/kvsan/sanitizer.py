@@ -151,6 +151,17 @@ class Sanitizer:
         takes pages (``KVSAN_OPTIONS=prefix_share=salt``)."""
         return self._call("kvsan_declare_salt", owner, salt)
 
+    def tier_store_done(self, tier: int, block: int, digest: int, stored: bool = True) -> Verdict:
+        """The store into block ``block`` of tier ``tier`` completed
+        (``stored``, with the engine's ``digest`` of what the tier holds) or
+        failed (the block is then never loaded). A source page freed or
+        re-allocated before it completed is ``tier-store-source-reused``."""
+        return self._call("kvsan_tier_store_done", tier, block, digest, 1 if stored else 0)
+
+    def tier_release(self, tier: int, block: int) -> Verdict:
+        """The tier let go of the block: it may not be loaded again."""
+        return self._call("kvsan_tier_release", tier, block)
+
     def violation_count(self, kind: str | None = None) -> int:
         """Violations so far (of ``kind`` when given, e.g. ``"stale-read"``)."""
         n = c_uint64()
@@ -334,6 +345,27 @@ class Pool:
         match marks them written (a landing no copy showed)."""
         landing = self._landing(owner, page, first_token, slots, layers, (sent_digest, landed_digest))
         return self.san._call("kvsan_transfer_verify", self.id, byref(landing), ctypes.sizeof(landing))
+
+    # ---- KV tiers (host memory, disk): a page's identity out and back --------
+
+    def tier_store(self, owner: Owner, page: PageRef, tier: int, block: int, step: int = 0) -> Verdict:
+        """A store of ``page`` into block ``block`` of tier ``tier`` starts,
+        for ``owner`` (a preempted request, or the prefix cache's owner
+        evicting a cached page). A block that still holds or is storing
+        another page is ``tier-block-aliased``."""
+        return self.san._call("kvsan_tier_store", self.id, owner, page, tier, block, step)
+
+    def tier_load(self, owner: Owner, page: PageRef, tier: int, block: int, step: int = 0) -> Verdict:
+        """A load of the block is about to copy it into ``page`` for
+        ``owner``: only if this passes may it write, and then the slots the
+        store found written count as written (``tier-load-unstored``,
+        ``tier-foreign-load`` otherwise)."""
+        return self.san._call("kvsan_tier_load", self.id, owner, page, tier, block, step)
+
+    def tier_verify(self, owner: Owner, page: PageRef, tier: int, block: int, digest: int) -> Verdict:
+        """The loaded KV is in ``page``: ``digest``, the engine's digest of
+        what it holds, must equal the store's (``tier-digest-mismatch``)."""
+        return self.san._call("kvsan_tier_verify", self.id, owner, page, tier, block, digest)
 
     def transfer_commit(self, owner: Owner, table: Sequence[PageRef], committed_tokens: int) -> Verdict:
         """Decode starts using the first ``committed_tokens`` positions of

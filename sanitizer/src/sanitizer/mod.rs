@@ -12,7 +12,7 @@
 //! `short-transfer` still moves the table's pages to Owned. `transfer_recv`
 //! stops at the first failing page (pages before it have received).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -25,6 +25,7 @@ mod events;
 mod finding;
 mod kernel;
 mod pages;
+mod tier;
 mod transfer;
 
 use crate::error::SanitizerError;
@@ -36,6 +37,7 @@ use crate::pool::ShadowPool;
 use crate::report::Sink;
 use crate::shadow::{FLAG_OWNER_RELEASED, FLAG_SHARED, PageState};
 use crate::stats::{CheckCounters, Checks};
+use crate::tier::{TierBlock, TierBlockId};
 use crate::violation::{Counters, Violation, ViolationKind};
 
 /// The most pools one sanitizer shadows.
@@ -67,6 +69,8 @@ pub struct Sanitizer {
     recent: Mutex<VecDeque<Violation>>,
     printed: AtomicU64,
     sink: Mutex<Sink>,
+    /// Tier blocks storing, stored or failed (see [`crate::tier`]).
+    tiers: Mutex<HashMap<TierBlockId, TierBlock>>,
 }
 
 impl std::fmt::Debug for Sanitizer {
@@ -140,6 +144,7 @@ impl Sanitizer {
             recent: Mutex::new(VecDeque::new()),
             printed: AtomicU64::new(0),
             sink: Mutex::new(sink),
+            tiers: Mutex::new(HashMap::new()),
         }
     }
 

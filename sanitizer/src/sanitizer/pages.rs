@@ -303,8 +303,7 @@ impl Sanitizer {
     }
 
     /// Why `prefix_share` keeps `sharer` apart from the writer of `page`
-    /// (the page's owner at its allocation), if it does. Salts are
-    /// secrets: the detail says whether they differ, never what they are.
+    /// (the page's owner at its allocation), if it does.
     fn policy_refusal(
         &self,
         shadow: &ShadowPool,
@@ -312,11 +311,20 @@ impl Sanitizer {
         page: PageRef,
         sharer: Owner,
     ) -> Option<String> {
+        self.policy_refusal_for(view.rec.owner(), shadow.salt_of(page.page), sharer)
+    }
+
+    /// Why `prefix_share` keeps `sharer` apart from KV written by `writer`
+    /// under `salt` (0: none), if it does. Salts are secrets: the detail
+    /// says whether they differ, never what they are.
+    pub(super) fn policy_refusal_for(
+        &self,
+        writer: Owner,
+        salt: u64,
+        sharer: Owner,
+    ) -> Option<String> {
         let salts = || {
-            let (theirs, mine) = (
-                shadow.salt_of(page.page),
-                self.lifecycle.salt(sharer.request),
-            );
+            let (theirs, mine) = (salt, self.lifecycle.salt(sharer.request));
             (theirs != mine).then_some(match (theirs, mine) {
                 (0, _) => "the page carries no salt, the sharer declared one",
                 (_, 0) => "the page carries a salt, the sharer declared none",
@@ -327,7 +335,6 @@ impl Sanitizer {
             SharePolicy::Off => Some("prefix_share=off: no page is shared".to_string()),
             SharePolicy::Global => None,
             SharePolicy::Tenant => {
-                let writer = view.rec.owner();
                 if writer.tenant != sharer.tenant {
                     Some(format!(
                         "prefix_share=tenant: the page was written for tenant {}, the sharer is tenant {}",
