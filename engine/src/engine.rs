@@ -53,6 +53,10 @@ pub struct EngineConfig {
     /// The prefix cache of the nodes that compute prompts (unified and
     /// prefill), and who may share its pages.
     pub prefix_cache: PrefixCachePolicy,
+    /// Bytes of host memory per node where a preempted request's pages go
+    /// and come back from, instead of being recomputed (0: none, the
+    /// default; preemption then recomputes).
+    pub kv_offload_host_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +74,7 @@ impl Default for EngineConfig {
             hooks,
             anomaly: AnomalyAction::default(),
             prefix_cache: PrefixCachePolicy::Off,
+            kv_offload_host_bytes: 0,
         }
     }
 }
@@ -118,6 +123,7 @@ impl EngineConfig {
             check: self.check,
             anomaly: self.anomaly,
             prefix_cache,
+            host_tier_bytes: self.kv_offload_host_bytes,
         };
         Executor::new(model, pages, role, name, settings)
     }

@@ -7,6 +7,7 @@
 //! | `gguf`, `tokenizer`, `chat`, `sampler` | the model file, text ↔ tokens, the chat template, sampling |
 //! | `model` | configuration, weights, the forward pass (`forward.rs`), the synthetic model |
 //! | `kv_pool` | pages, generations, the free list, quarantine, poison |
+//! | `tier` | the host-memory KV tier: a preempted request's pages stored out of the pool and loaded back, each copy digested |
 //! | `kv_access` | the one way the forward pass reaches the pool: the step's batch arrays and the guard its kernels check with |
 //! | `node` | the nodes (unified, prefill, decode), each request's state machine on a node (`lifecycle.rs`: the one place a request's state is set, every move checked legal, its lifecycle event reported once), the step executor (`executor.rs`: a node's pool, model and lifecycle; pages for a step and one forward pass over its batch), the step loop the nodes share (`step_loop.rs`: plan, execute, apply each row's outcome), the batch builder (`batch.rs`), the scheduler (`scheduler.rs`: continuous batching, chunked prefill, preemption), admission, sequences |
 //! | `anomaly` | the anomaly monitor: a first token that came with KV for fewer positions than the prompt (`short-kv`), or far faster per prompt token than the node computes (`fast-first-token`) — with or without a sanitizer |
@@ -35,6 +36,7 @@ pub mod request;
 pub mod sampler;
 #[cfg(feature = "faults")]
 pub mod scenario;
+pub mod tier;
 pub mod tokenizer;
 pub mod transport;
 

@@ -6,11 +6,12 @@
 use std::sync::Arc;
 
 use kvsan_engine::engine::{Engine, EngineConfig, Output};
-use kvsan_engine::model::{Model, SyntheticSpec};
+use kvsan_engine::hooks::Hooks;
+use kvsan_engine::model::{AttentionCheck, Model, SyntheticSpec};
 use kvsan_engine::request::{ErrorKind, Event, Request};
 use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
-use kvsan_sanitizer::TenantId;
+use kvsan_sanitizer::{Options, ReportBuffer, Sanitizer, TenantId};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -122,31 +123,47 @@ fn disaggregated_engine_answers_200_mixed_requests_like_alone_and_returns_every_
     check_load(true);
 }
 
+/// 8 pages of 16 slots per pool: any one request of [`preempting_load`]
+/// (≤ 100 tokens) fits alone, a few do not together.
+fn small_pools() -> EngineConfig {
+    EngineConfig {
+        pool_tokens: Some(128),
+        decode_pool_tokens: Some(128),
+        prefill_pool_tokens: Some(128),
+        allow_pool_smaller_than_context: true,
+        scheduler: SchedulerConfig {
+            step_tokens: 64,
+            max_running: 16,
+            chunk_tokens: None,
+        },
+        ..EngineConfig::default()
+    }
+}
+
+fn engine(model: &Arc<Model>, cfg: &EngineConfig, disaggregated: bool) -> Engine {
+    if disaggregated {
+        Engine::disaggregated(model.clone(), cfg)
+    } else {
+        Engine::unified(model.clone(), cfg)
+    }
+    .expect("engine")
+}
+
+/// 24 requests of at most 40 prompt and 60 new tokens, and each one's
+/// output run alone.
+fn preempting_load(model: &Arc<Model>) -> (Vec<Request>, Vec<Output>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let requests: Vec<Request> = (0..24).map(|_| request(&mut rng, 40, 60, 256)).collect();
+    let expected = alone(model, &requests);
+    (requests, expected)
+}
+
 #[test]
 fn a_pool_of_a_few_pages_forces_preemption_and_every_request_finishes() {
     let model = model(4096);
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let requests: Vec<Request> = (0..24).map(|_| request(&mut rng, 40, 60, 256)).collect();
+    let (requests, expected) = preempting_load(&model);
     for disaggregated in [false, true] {
-        // 8 pages of 16 slots: any one request (≤ 100 tokens) fits alone, a few do not together.
-        let cfg = EngineConfig {
-            pool_tokens: Some(128),
-            decode_pool_tokens: Some(128),
-            prefill_pool_tokens: Some(128),
-            allow_pool_smaller_than_context: true,
-            scheduler: SchedulerConfig {
-                step_tokens: 64,
-                max_running: 16,
-                chunk_tokens: None,
-            },
-            ..EngineConfig::default()
-        };
-        let engine = if disaggregated {
-            Engine::disaggregated(model.clone(), &cfg)
-        } else {
-            Engine::unified(model.clone(), &cfg)
-        }
-        .expect("engine");
+        let engine = engine(&model, &small_pools(), disaggregated);
         let outputs = run_load(&engine, &requests, 12);
         let stats = engine.stats();
         assert!(
@@ -154,12 +171,69 @@ fn a_pool_of_a_few_pages_forces_preemption_and_every_request_finishes() {
             "the pool was meant to force preemption"
         );
         assert_eq!(stats.front.free_pages, stats.front.total_pages);
-        let expected = alone(&model, &requests);
         assert_eq!(
             outputs, expected,
             "preempted requests recompute to the same tokens"
         );
     }
+}
+
+/// The same small pools with a host tier: a preempted request's pages go
+/// to host memory and come back when it is admitted again, instead of
+/// being recomputed — each output equal to the request run alone, every
+/// page and tier block returned, and the sanitizer (attached, the checked
+/// kernel on) finding nothing in the stores, loads and reads.
+#[test]
+fn preempted_requests_come_back_from_the_host_tier_as_they_would_have_answered() {
+    let model = model(4096);
+    let (requests, expected) = preempting_load(&model);
+    for disaggregated in [false, true] {
+        let sanitizer = Arc::new(Sanitizer::with_writer(
+            Options::default(),
+            ReportBuffer::default(),
+        ));
+        let cfg = EngineConfig {
+            check: AttentionCheck::Generations,
+            hooks: Hooks::sanitizer(sanitizer.clone()),
+            kv_offload_host_bytes: 64 << 20,
+            ..small_pools()
+        };
+        let engine = engine(&model, &cfg, disaggregated);
+        let outputs = run_load(&engine, &requests, 12);
+        let stats = engine.stats();
+        let tier = stats.front.tier;
+        assert!(
+            stats.front.preemptions > 0,
+            "the pool was meant to force preemption"
+        );
+        assert!(
+            tier.hits > 0 && tier.loads > 0 && tier.stores >= tier.loads,
+            "preempted requests came back from the tier: {tier:?}"
+        );
+        assert_eq!(tier.used, 0, "every tier block let go of");
+        assert_eq!(stats.front.free_pages, stats.front.total_pages);
+        assert_eq!(sanitizer.violation_count(), 0, "{}", sanitizer.summary());
+        assert_eq!(
+            outputs, expected,
+            "requests back from the tier answer as alone"
+        );
+    }
+}
+
+#[test]
+fn a_host_tier_smaller_than_a_page_is_refused_naming_the_page_size() {
+    let cfg = EngineConfig {
+        kv_offload_host_bytes: 100,
+        ..EngineConfig::default()
+    };
+    let err = Engine::unified(model(256), &cfg)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("a host KV tier of 100 bytes holds no page: a page of this model is"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -67,6 +67,12 @@ pub struct EngineArgs {
     /// `off`: no cache.
     #[arg(long, value_name = "POLICY", value_parser = prefix_cache_parser())]
     pub prefix_cache: Option<PrefixCachePolicy>,
+    /// Bytes of host memory per node for the KV of preempted requests: their
+    /// pages go there and come back when they run again, instead of being
+    /// recomputed (0, the default: recompute). Whole pages; the sanitizer
+    /// checks each store and load.
+    #[arg(long, value_name = "BYTES", default_value_t = 0)]
+    pub kv_offload_host_bytes: usize,
 }
 
 /// The policy without `--prefix-cache`.
@@ -135,6 +141,7 @@ impl EngineArgs {
                 Anomaly::Abort => AnomalyAction::Abort,
             },
             prefix_cache,
+            kv_offload_host_bytes: self.kv_offload_host_bytes,
         })
     }
 

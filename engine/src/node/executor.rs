@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId};
+use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId, TierBlockId};
 
 use crate::anomaly::{AnomalyCounts, FirstToken, Monitor};
 use crate::hooks::{Hooks, KernelShadowHandle};
@@ -14,9 +14,10 @@ use crate::kv_pool::KvPool;
 use crate::model::{AttentionCheck, Logits, Model};
 use crate::node::batch::{BatchBuilder, PlannedRow};
 use crate::node::lifecycle::Lifecycle;
-use crate::node::sequence::Sequence;
+use crate::node::sequence::{Offloaded, Sequence};
 use crate::prefix_cache::{self, PrefixCache, PrefixCachePolicy};
 use crate::request::{ErrorKind, RequestError, Violated};
+use crate::tier::{self, HOST_TIER, HostTier, TierStats};
 
 mod faults;
 
@@ -52,6 +53,8 @@ pub struct NodeStats {
     pub prefix_cache_hits: u64,
     /// Pages the prefix cache holds now.
     pub cached_pages: usize,
+    /// The host-memory KV tier (all zero without one).
+    pub tier: TierStats,
 }
 
 /// How a node is set up: the engine configuration's part that every node
@@ -68,6 +71,9 @@ pub(crate) struct NodeSettings {
     pub anomaly: crate::anomaly::AnomalyAction,
     /// The node's prefix cache.
     pub prefix_cache: PrefixCachePolicy,
+    /// Bytes of host memory a preempted request's pages may go to instead
+    /// of being recomputed (0: none).
+    pub host_tier_bytes: usize,
 }
 
 /// A sequence's share of one step: `n` new tokens from `computed`.
@@ -115,6 +121,8 @@ pub(crate) struct Executor {
     /// page goes back to the pool at 0.
     holders: Vec<u32>,
     batch: BatchBuilder,
+    /// Where preempted requests' pages go, if anywhere.
+    tier: Option<HostTier>,
 }
 
 /// The client-facing error for a row the step's kernels stopped.
@@ -180,6 +188,16 @@ impl Executor {
         let geometry = model.kv_geometry(page_slots);
         let mut pool = KvPool::new(geometry, n_pages)?;
         pool.set_quarantine(hooks.quarantine_pages() as usize);
+        let tier = HostTier::new(geometry.page_elems(), cfg.host_tier_bytes)?;
+        if cfg.host_tier_bytes > 0 && tier.is_none() {
+            return Err(crate::EngineError::Config {
+                what: format!(
+                    "a host KV tier of {} bytes holds no page: a page of this model is {} bytes",
+                    cfg.host_tier_bytes,
+                    geometry.page_elems() * 2
+                ),
+            });
+        }
         let shadow = PoolGeometry {
             pages: n_pages as u32,
             page_slots: page_slots as u32,
@@ -201,6 +219,7 @@ impl Executor {
             stats: NodeStats {
                 total_pages: n_pages,
                 free_pages: n_pages,
+                tier: tier.as_ref().map(|t| t.stats).unwrap_or_default(),
                 ..NodeStats::default()
             },
             pool,
@@ -215,6 +234,7 @@ impl Executor {
             cache: PrefixCache::new(cfg.prefix_cache, page_slots),
             holders: vec![0; n_pages],
             batch: BatchBuilder::new(width),
+            tier,
         })
     }
 
@@ -397,6 +417,126 @@ impl Executor {
         seq.computed = 0;
         seq.page_hashes.clear();
         seq.kv.clear();
+        if let Some(off) = seq.offloaded.take() {
+            self.release_blocks(&off.blocks);
+        }
+    }
+
+    /// Preempts `seq` to the host tier: each of its pages is stored into a
+    /// tier block (the hook target told before the copy, and what the block
+    /// holds after it), then its pages are let go of. `false`, with nothing
+    /// changed, when there is no tier, it has too few free blocks, or a
+    /// store is refused: the caller preempts by recompute.
+    pub fn offload(&mut self, seq: &mut Sequence) -> bool {
+        let pages: Vec<PageRef> = seq.table.pages().to_vec();
+        let Some(tier) = self.tier.as_mut() else {
+            return false;
+        };
+        if seq.computed == 0 || pages.is_empty() || tier.free_blocks() < pages.len() {
+            return false;
+        }
+        let mut blocks = Vec::with_capacity(pages.len());
+        for page in pages {
+            let b = tier.take().expect("free blocks counted above");
+            blocks.push(b);
+            let id = TierBlockId::new(HOST_TIER, b);
+            if !self
+                .hooks
+                .tier_store(self.pool_id, seq.owner, page, id, self.step)
+                .is_continue()
+            {
+                // Reported by the target; this page stays in the pool.
+                // The last block was never stored: not the target's to release.
+                let unstored = blocks.pop().expect("pushed above");
+                tier.put_back(unstored);
+                self.release_blocks(&blocks);
+                return false;
+            }
+            let digest = tier.store(b, self.pool.page_data(page.page));
+            if !self.hooks.tier_store_done(id, digest, true).is_continue() {
+                self.release_blocks(&blocks);
+                return false;
+            }
+        }
+        tier.stats.stores += blocks.len() as u64;
+        let tokens = seq.computed;
+        let kv = std::mem::take(&mut seq.kv);
+        self.release(seq);
+        seq.offloaded = Some(Offloaded { blocks, tokens, kv });
+        self.sync_tier_stats();
+        true
+    }
+
+    /// Brings a sequence preempted to the host tier back: pages for its
+    /// tokens, each block loaded into its page (the hook target asked
+    /// before the copy, and told the digest of what landed), the blocks let
+    /// go of. `Ok(false)` when the pool has too few pages (the sequence
+    /// stays offloaded, holding none); an error when the target refuses a
+    /// load (the request ends; its blocks are let go of).
+    pub fn reload(&mut self, seq: &mut Sequence) -> Result<bool, RequestError> {
+        let Some(off) = seq.offloaded.take() else {
+            return Ok(true);
+        };
+        match self.ensure_pages(seq, off.tokens) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.release(seq);
+                seq.offloaded = Some(off);
+                return Ok(false);
+            }
+            Err(e) => {
+                self.release_blocks(&off.blocks);
+                return Err(e);
+            }
+        }
+        let pages: Vec<PageRef> = seq.table.pages().to_vec();
+        let tier = self.tier.as_mut().expect("offloaded to this node's tier");
+        for (&b, &page) in off.blocks.iter().zip(&pages) {
+            let id = TierBlockId::new(HOST_TIER, b);
+            let mut verdict = self
+                .hooks
+                .tier_load(self.pool_id, seq.owner, page, id, self.step);
+            if verdict.is_continue() {
+                let ps = self.pool.geometry().page_elems();
+                let at = page.page.0 as usize * ps;
+                let dst = &mut self.pool.data_mut()[at..at + ps];
+                dst.copy_from_slice(tier.block(b));
+                let landed = tier::digest(dst);
+                verdict = self
+                    .hooks
+                    .tier_verify(self.pool_id, seq.owner, page, id, landed);
+            }
+            if !verdict.is_continue() {
+                self.release_blocks(&off.blocks);
+                return Err(RequestError::aborted_by(verdict, &self.name));
+            }
+        }
+        tier.stats.loads += off.blocks.len() as u64;
+        tier.stats.hits += 1;
+        self.release_blocks(&off.blocks);
+        seq.computed = off.tokens;
+        seq.kv = off.kv;
+        Ok(true)
+    }
+
+    /// The tier lets go of `blocks` (the hook target told).
+    fn release_blocks(&mut self, blocks: &[u64]) {
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        for &b in blocks {
+            // A release concerns no request: there is nothing to abort,
+            // and a target that found something has reported it.
+            let _ = self.hooks.tier_release(TierBlockId::new(HOST_TIER, b));
+            tier.put_back(b);
+        }
+        self.sync_tier_stats();
+    }
+
+    fn sync_tier_stats(&mut self) {
+        if let Some(tier) = &self.tier {
+            self.stats.tier = tier.stats;
+        }
     }
 
     /// `owner` (a request, or the cache) lets go of `page`, unless the free

@@ -6,7 +6,9 @@
 //! 1. `Scheduler::schedule_decodes` — every running sequence with one token
 //!    pending gets it; when its next slot needs a page and none is free, the
 //!    most recently admitted other sequence is preempted (its pages freed, it
-//!    goes back to the head of the queue to be recomputed).
+//!    goes back to the head of the queue): to the host tier when the node
+//!    has one with room (its pages stored there, loaded back when it is
+//!    admitted again), else to be recomputed.
 //! 2. `Scheduler::schedule_prefill_chunks` — sequences part-way through their
 //!    prompt (or a recompute) continue, in chunks that fit the budget left.
 //! 3. `Scheduler::admit` — waiting sequences join, first come first served,
@@ -206,7 +208,10 @@ impl Scheduler {
             let Some(front) = self.waiting.front() else {
                 break;
             };
-            let n = front.pending().min(budget).min(room_for(core, front));
+            let n = front
+                .pending_after_reload()
+                .min(budget)
+                .min(room_for(core, front));
             if n == 0 {
                 break; // first come, first served: nobody overtakes the head
             }
@@ -221,12 +226,21 @@ impl Scheduler {
             }
             seq.admitted_at = self.next_admission();
             seq.admitted = Some(std::time::Instant::now());
-            // The cached prefix is shared before anything is computed.
-            if let Err(e) = core.share_prefix(&mut seq) {
-                failed.push((seq, e));
-                continue;
-            }
-            let n = self.chunk(seq.pending().min(budget).min(room_for(core, &seq)));
+            // A sequence preempted to the host tier gets its KV back; any
+            // other shares the cached prefix before anything is computed.
+            let resumed = if seq.offloaded.is_some() {
+                core.reload(&mut seq)
+            } else {
+                core.share_prefix(&mut seq).map(|()| true)
+            };
+            let n = match resumed {
+                Ok(true) => self.chunk(seq.pending().min(budget).min(room_for(core, &seq))),
+                Ok(false) => 0,
+                Err(e) => {
+                    failed.push((seq, e));
+                    continue;
+                }
+            };
             let fits = if n == 0 {
                 Ok(false)
             } else {
@@ -275,7 +289,8 @@ impl Scheduler {
     }
 
     /// Preempts the most recently admitted running sequence other than
-    /// `keep` (by recompute); returns its id and former index, `None` when
+    /// `keep` (to the host tier, else by recompute); returns its id and
+    /// former index, `None` when
     /// there is none. A sequence the lifecycle does not let go back to the
     /// queue goes to `failed` instead.
     fn preempt_newest_other_than(
@@ -288,7 +303,9 @@ impl Scheduler {
             .filter(|&j| j != keep)
             .max_by_key(|&j| self.running[j].admitted_at)?;
         let mut seq = self.running.remove(v);
-        faults::stale_block_table(&mut seq, |seq| core.release(seq));
+        if !core.offload(&mut seq) {
+            faults::stale_block_table(&mut seq, |seq| core.release(seq));
+        }
         core.stats.preemptions += 1;
         let id = seq.owner.request;
         match core.lifecycle.enter(seq.owner, State::Queued) {
@@ -299,10 +316,12 @@ impl Scheduler {
     }
 }
 
-/// Tokens `s` could still place: the free slots of its last page plus the free pages.
+/// Tokens `s` could still place: the free slots of its last page plus the
+/// free pages, less the tokens it gets back from the host tier.
 fn room_for(core: &Executor, s: &Sequence) -> usize {
     let slack = s.table.capacity() - s.computed.min(s.table.capacity());
-    slack + core.free_pages() * core.pool.page_slots()
+    let reloaded = s.offloaded.as_ref().map_or(0, |o| o.tokens);
+    (slack + core.free_pages() * core.pool.page_slots()).saturating_sub(reloaded)
 }
 
 fn capacity_error(seq: &Sequence, core: &Executor) -> RequestError {

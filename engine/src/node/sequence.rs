@@ -59,6 +59,19 @@ pub(crate) struct Sequence {
     pub page_hashes: Vec<u64>,
     /// Prompt tokens whose KV came from the prefix cache at admission.
     pub cached_tokens: usize,
+    /// Where its KV waits while it is preempted to the host tier (`None`:
+    /// not preempted, or preempted by recompute).
+    pub offloaded: Option<Offloaded>,
+}
+
+/// A preempted sequence's KV in the host tier: block `blocks[i]` holds its
+/// page `i`, together positions `0..tokens`; `kv`, its prompt KV coverage
+/// as it was.
+#[derive(Debug)]
+pub(crate) struct Offloaded {
+    pub blocks: Vec<u64>,
+    pub tokens: usize,
+    pub kv: KvCoverage,
 }
 
 impl Sequence {
@@ -70,6 +83,12 @@ impl Sequence {
     /// Positions still to compute before the next token can be sampled.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// Positions to compute once it is back: [`Sequence::pending`], less
+    /// what comes back from the host tier.
+    pub fn pending_after_reload(&self) -> usize {
+        self.tokens.len() - self.offloaded.as_ref().map_or(self.computed, |o| o.tokens)
     }
 
     /// How long it waited in this node's queue before its latest admission

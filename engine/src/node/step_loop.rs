@@ -43,6 +43,7 @@ pub(crate) fn new_sequence(
         cache_keys: Vec::new(),
         page_hashes: Vec::new(),
         cached_tokens: 0,
+        offloaded: None,
     })
 }
 

@@ -15,6 +15,8 @@
 //!                                                kvsan:sanitizer_attached{target}
 //!                                                vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total
 //!                                                kvsan:cached_pages{node}
+//!                                                kvsan:kv_offload_host_blocks{node}, kvsan:kv_offload_host_blocks_used{node}
+//!                                                kvsan:kv_offload_host_stores_total{node}, _loads_total{node}, _hits_total{node}
 //! ```
 //!
 //! Every series carries `model_name`, as vLLM's do. The request metrics are
@@ -374,7 +376,7 @@ impl Collector for Live {
         one(
             e,
             "vllm:num_preemptions",
-            "Requests preempted (by recompute), all nodes of this process.",
+            "Requests preempted (to the host tier or by recompute), all nodes of this process.",
             &ConstCounter::new(nodes.iter().map(|(_, s)| s.preemptions).sum::<u64>()),
         )?;
         let per_node = |f: fn(&NodeStats) -> i64| -> Vec<(Labels, ConstGauge)> {
@@ -424,6 +426,37 @@ impl Collector for Live {
             "kvsan:steps",
             "Forward steps run.",
             &per_node_total(|s| s.steps),
+        )?;
+        // The host-memory KV tier of preempted requests (zero without one).
+        family(
+            e,
+            "kvsan:kv_offload_host_blocks",
+            "Page-sized blocks of the host KV tier.",
+            &per_node(|s| s.tier.blocks as i64),
+        )?;
+        family(
+            e,
+            "kvsan:kv_offload_host_blocks_used",
+            "Blocks of the host KV tier holding a preempted request's page now.",
+            &per_node(|s| s.tier.used as i64),
+        )?;
+        family(
+            e,
+            "kvsan:kv_offload_host_stores",
+            "KV pages stored into the host tier.",
+            &per_node_total(|s| s.tier.stores),
+        )?;
+        family(
+            e,
+            "kvsan:kv_offload_host_loads",
+            "KV pages loaded back from the host tier.",
+            &per_node_total(|s| s.tier.loads),
+        )?;
+        family(
+            e,
+            "kvsan:kv_offload_host_hits",
+            "Preempted requests that came back from the host tier instead of being recomputed.",
+            &per_node_total(|s| s.tier.hits),
         )?;
         // The nodes that hold a prefix cache: the unified one, or the prefill one.
         let caching: Vec<&(&str, &NodeStats)> =
