@@ -38,6 +38,7 @@
 //! | `descriptor-offset-dropped` | decode's copy of a KV message of whole pages (its bulk path) puts each page's piece at the base of the message's destination (its first page) with the piece's slot offset, dropping the page's own offset (ai-dynamo/nixl#883: libfabric writes at the registered region's base instead of each descriptor's offset): every piece lands in the message's first page, and the message's other pages keep their previous owner's KV, which decode then reads as the prompt's |
 //! | `block-size-mismatch` | decode's copy of a KV message of whole pages (its bulk path) takes a page as holding half the slots it does (a block size mixed up between the sender's and the kernel's, vllm#28677): it writes each page's piece only up to slot `page_slots / 2` and drops the rest, so the second half of every page it receives keeps its previous owner's KV |
 //! | `transfer-replayed-after-commit` | prefill keeps each request's last KV message for a retry and sends it again after the next request's KV (a write whose acknowledgement it never saw, vllm#52234, sglang#24527); decode takes a KV message for a request it no longer holds for a retry of a lost write and copies it where its manifest says — into pages the free list has since handed to the next request, over that request's prompt |
+//! | `tier-load-failed-as-hit` | a preempted request's page read back from the host tier fails and the failure is swallowed (ai-dynamo/dynamo#15079: a failed disk-to-GPU onboard still counted as a hit; dynamo#8057): the load is counted done without its copy, and the request decodes on over the page as the free list left it — another request's KV |
 //! | `stale-batch-array` | the batch's block-table array is kept from step to step, and a row whose table has as many pages as the row held last step is taken as unchanged: when a request leaves and the next takes its row with as many pages, it stores into and reads the pages of the request that left |
 
 /// A fault this build can inject.
@@ -92,11 +93,14 @@ pub enum Fault {
     /// A request's last KV message sent again, and copied, after the
     /// request ended.
     TransferReplayedAfterCommit,
+    /// A failed read of a preempted request's page from the host tier
+    /// counted as a load done.
+    TierLoadFailedAsHit,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 22] = [
+    pub const ALL: [Fault; 23] = [
         Fault::RejectAsPlaceholder,
         Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
@@ -119,6 +123,7 @@ impl Fault {
         Fault::DescriptorOffsetDropped,
         Fault::BlockSizeMismatch,
         Fault::TransferReplayedAfterCommit,
+        Fault::TierLoadFailedAsHit,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -147,6 +152,7 @@ impl Fault {
             Fault::DescriptorOffsetDropped => "descriptor-offset-dropped",
             Fault::BlockSizeMismatch => "block-size-mismatch",
             Fault::TransferReplayedAfterCommit => "transfer-replayed-after-commit",
+            Fault::TierLoadFailedAsHit => "tier-load-failed-as-hit",
         }
     }
 

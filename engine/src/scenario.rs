@@ -674,6 +674,39 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::TierLoadFailedAsHit => Scenario {
+                fault,
+                expected: ViolationKind::TierDigestMismatch,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| {
+                    // The pool holds the victim's prompt (32 pages) and
+                    // the probe's one page; preempted pages go to a host
+                    // tier.
+                    cfg.pool_tokens = Some(33 * cfg.page_slots);
+                    cfg.allow_pool_smaller_than_context = true;
+                    cfg.kv_offload_host_bytes = 16 << 20;
+                },
+                drive: |engine, seed| {
+                    // The probe is admitted first; the victim's 512-token
+                    // prompt fills the rest of the pool, so its first
+                    // decode step needs a page and preempts the probe,
+                    // whose one page goes to the host tier. The victim
+                    // finishes and lets go of its pages; the probe comes
+                    // back into the first of them (the free list is a
+                    // stack). Under the fault the tier's read is lost and
+                    // counted done: the probe decodes on over the victim's
+                    // prompt KV. With the sanitizer the digest of what
+                    // landed is not the stored one.
+                    let p = engine.submit(probe(4, 12));
+                    let v = engine.submit(victim(seed, 512, 12));
+                    let (v, p) = (v.wait(), p.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
         }
     }
 

@@ -279,6 +279,7 @@ fault_tests! {
     descriptor_offset_dropped => Fault::DescriptorOffsetDropped,
     block_size_mismatch => Fault::BlockSizeMismatch,
     transfer_replayed_after_commit => Fault::TransferReplayedAfterCommit,
+    tier_load_failed_as_hit => Fault::TierLoadFailedAsHit,
 }
 
 macro_rules! kernel_check_tests {

@@ -500,7 +500,9 @@ impl Executor {
                 let ps = self.pool.geometry().page_elems();
                 let at = page.page.0 as usize * ps;
                 let dst = &mut self.pool.data_mut()[at..at + ps];
-                dst.copy_from_slice(tier.block(b));
+                if !faults::tier_read_fails() {
+                    dst.copy_from_slice(tier.block(b));
+                }
                 let landed = tier::digest(dst);
                 verdict = self
                     .hooks

@@ -127,3 +127,11 @@ pub(super) fn double_free(core: &mut Executor, owner: Owner, pages: &[PageRef]) 
         core.free_page(owner, tail);
     }
 }
+
+/// `false`: a page read back from the host tier is copied into its page.
+///
+/// Fault `tier-load-failed-as-hit`: the read fails and the failure is
+/// swallowed — the load counts as done, its copy never made.
+pub(super) fn tier_read_fails() -> bool {
+    active(Fault::TierLoadFailedAsHit)
+}
