@@ -424,38 +424,39 @@ impl Executor {
 
     /// Preempts `seq` to the host tier: each of its pages is stored into a
     /// tier block (the hook target told before the copy, and what the block
-    /// holds after it), then its pages are let go of. `false`, with nothing
-    /// changed, when there is no tier, it has too few free blocks, or a
-    /// store is refused: the caller preempts by recompute.
-    pub fn offload(&mut self, seq: &mut Sequence) -> bool {
+    /// holds after it), then its pages are let go of. `Ok(false)`, with
+    /// nothing changed, when there is no tier or it has too few free
+    /// blocks: the caller preempts by recompute. An error when the target
+    /// refuses a store: the request ends (its blocks let go of; its pages,
+    /// which it still holds, go with it).
+    pub fn offload(&mut self, seq: &mut Sequence) -> Result<bool, RequestError> {
         let pages: Vec<PageRef> = seq.table.pages().to_vec();
         let Some(tier) = self.tier.as_mut() else {
-            return false;
+            return Ok(false);
         };
         if seq.computed == 0 || pages.is_empty() || tier.free_blocks() < pages.len() {
-            return false;
+            return Ok(false);
         }
         let mut blocks = Vec::with_capacity(pages.len());
         for page in pages {
             let b = tier.take().expect("free blocks counted above");
-            blocks.push(b);
             let id = TierBlockId::new(HOST_TIER, b);
-            if !self
+            let verdict = self
                 .hooks
-                .tier_store(self.pool_id, seq.owner, page, id, self.step)
-                .is_continue()
-            {
-                // Reported by the target; this page stays in the pool.
-                // The last block was never stored: not the target's to release.
-                let unstored = blocks.pop().expect("pushed above");
-                tier.put_back(unstored);
+                .tier_store(self.pool_id, seq.owner, page, id, self.step);
+            if !verdict.is_continue() {
+                // Refused before the copy: the block was never stored, and
+                // is not the target's to be told of.
+                tier.put_back(b);
                 self.release_blocks(&blocks);
-                return false;
+                return Err(RequestError::aborted_by(verdict, &self.name));
             }
+            blocks.push(b);
             let digest = tier.store(b, self.pool.page_data(page.page));
-            if !self.hooks.tier_store_done(id, digest, true).is_continue() {
+            let verdict = self.hooks.tier_store_done(id, digest, true);
+            if !verdict.is_continue() {
                 self.release_blocks(&blocks);
-                return false;
+                return Err(RequestError::aborted_by(verdict, &self.name));
             }
         }
         tier.stats.stores += blocks.len() as u64;
@@ -464,7 +465,7 @@ impl Executor {
         self.release(seq);
         seq.offloaded = Some(Offloaded { blocks, tokens, kv });
         self.sync_tier_stats();
-        true
+        Ok(true)
     }
 
     /// Brings a sequence preempted to the host tier back: pages for its

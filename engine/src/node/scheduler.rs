@@ -303,11 +303,19 @@ impl Scheduler {
             .filter(|&j| j != keep)
             .max_by_key(|&j| self.running[j].admitted_at)?;
         let mut seq = self.running.remove(v);
-        if !core.offload(&mut seq) {
-            faults::stale_block_table(&mut seq, |seq| core.release(seq));
-        }
         core.stats.preemptions += 1;
         let id = seq.owner.request;
+        match core.offload(&mut seq) {
+            Ok(true) => {}
+            Ok(false) => faults::stale_block_table(&mut seq, |seq| core.release(seq)),
+            Err(e) => {
+                // A store the hook target refused: the request ends, its
+                // pages freed now for the sequence that needs one.
+                core.release(&mut seq);
+                failed.push((seq, e));
+                return Some((id, v));
+            }
+        }
         match core.lifecycle.enter(seq.owner, State::Queued) {
             Ok(()) => self.waiting.push_front(seq),
             Err(e) => failed.push((seq, e.into())),
