@@ -114,6 +114,21 @@ def test_a_shared_prefix_under_chunked_prefill_has_no_violation(adapter: Any, fo
     assert adapter.events > 0
 
 
+def test_a_reset_prefix_cache_lets_go_of_every_cached_block(adapter: Any, found: list[Any]) -> None:
+    # vLLM's reset (RLHF weight updates, benchmarks) drops every hash at
+    # once; the next requests get the blocks anew, which is no violation.
+    m = manager(num_blocks=4)
+    a = request("a", PROMPT)
+    schedule(m, a)
+    finish(m, a)
+    assert m.block_pool.reset_prefix_cache()
+    b = request("b", [3] * 40)  # takes every block again, the cached ones included
+    schedule(m, b)
+    assert b.num_computed_tokens == 40
+    finish(m, b)
+    assert take(adapter, found) == []
+
+
 def test_a_block_cached_before_the_step_that_writes_it_is_caught(
     adapter: Any, found: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -261,6 +261,7 @@ class Adapter(NixlReads, Hooks):
         self._wrap(pool_cls, "unpin_blocks", self._on_free_blocks, optional=True)
         self._wrap(pool_cls, "_insert_block_hash", self._on_insert_hash)
         self._wrap(pool_cls, "_remove_cached_block_hashes", self._on_remove_hashes)
+        self._wrap(pool_cls, "reset_prefix_cache", self._on_reset_prefix_cache)
         self._wrap(pool_cls, "cache_partial_block", self._on_partial, optional=True)
         self._wrap(km.KVCacheManager, "allocate_slots", self._on_allocate_slots)
         self._allocate_slots = inspect.signature(vars(km.KVCacheManager)["allocate_slots"].__wrapped__)
@@ -600,6 +601,20 @@ class Adapter(NixlReads, Hooks):
                     self._note(v, "evicting a block from the prefix cache", blk.block_id, None)
         return removed
 
+    def _on_reset_prefix_cache(self, original: Callable[..., Any], pool: Any, *a: Any, **kw: Any) -> Any:
+        # A reset drops every hash at once, past _remove_cached_block_hashes:
+        # the prefix cache lets go of each block it held.
+        done = original(pool, *a, **kw)
+        if done:
+            with self._lock:
+                st = self._pools.get(pool)
+                for block_id, b in [] if st is None else st.blocks.items():
+                    if b.cache_held and b.ref is not None:
+                        b.cache_held = False
+                        v = st.pool.free(Owner(PREFIX_CACHE_REQUEST, 0), b.ref)
+                        self._note(v, "resetting the prefix cache", block_id, None)
+        return done
+
     def _on_partial(self, original: Callable[..., Any], pool: Any, *a: Any, **kw: Any) -> Any:
         self._local.partial = True
         try:
@@ -655,11 +670,13 @@ class Adapter(NixlReads, Hooks):
         steps = self._steps()
         step = steps[-1] if steps else None
         if step is not None and step[0].request_id == request_id:
-            request, first, _, end = step
+            request, first, total, end = step
             with self._lock:
                 # A synchronous connector load lands within the step, before
                 # its attention; then the step computes its own tokens.
-                self._write(coord.single_type_managers, request, first, end)
+                managers = coord.single_type_managers
+                self._write(managers, request, first, total, loaded=True)
+                self._write(managers, request, max(first, total), end)
         return out
 
     def _on_schedule(self, original: Callable[..., Any], sched: Any, *a: Any, **kw: Any) -> Any:
@@ -818,13 +835,17 @@ class Adapter(NixlReads, Hooks):
                 # checked: they marked what they wrote.
                 continue
             for lo, hi in _ranges_without(managers, rid, start, end, bad):
-                self._write(managers, request, lo, hi)
+                self._write(managers, request, lo, hi, loaded=True)
 
     @staticmethod
     def _blocks_of(managers: Any, rid: str) -> list[int]:
         return [b.block_id for m in managers for b in (m.req_to_blocks.get(rid) or [])]
 
-    def _write(self, managers: Any, request: Any, start: int, end: int) -> None:
+    def _write(self, managers: Any, request: Any, start: int, end: int, loaded: bool = False) -> None:
+        """Positions ``start..end`` of ``request`` written in each group's
+        blocks: computed by a step, or ``loaded`` by a connector (which
+        fills the blocks the table names and skips a window's null blocks,
+        as vLLM loads nothing outside a window)."""
         rid = request.request_id
         hashes = getattr(request, "block_hashes", None) or []
         for m in managers:
@@ -839,6 +860,8 @@ class Adapter(NixlReads, Hooks):
             size = m.block_size
             for i in range(start // size, min(len(blocks), -(-end // size))):
                 blk = blocks[i]
+                if blk.is_null and loaded:
+                    continue
                 if blk.is_null:
                     # The step computes positions whose block is the null
                     # block (a window's skipped prefix, a table's padding):
