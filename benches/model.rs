@@ -6,6 +6,8 @@
 //! llama.cpp the same way (same file, token ids and shapes); run the two
 //! alternately in one session and compare round by round.
 
+mod common;
+
 use std::time::Instant;
 
 use kvsan_engine::fetch::ensure_default_model;
@@ -14,25 +16,9 @@ use kvsan_engine::model::{AttentionCheck, Logits, Model, SeqChunk};
 use kvsan_engine::sampler::argmax;
 use kvsan_sanitizer::PageRef;
 
+use common::{median, tokens};
+
 const PAGE_SLOTS: usize = 16;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Deterministic pseudo-random token ids (a fixed LCG), away from special tokens.
-fn tokens(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            100 + ((x >> 33) % 40_000) as u32
-        })
-        .collect()
-}
 
 fn pages(pool: &mut KvPool, n_tokens: usize) -> Vec<PageRef> {
     (0..n_tokens.div_ceil(PAGE_SLOTS))

@@ -17,6 +17,8 @@
 //! is faster) with and without the sanitizer, and the sanitizer's cost on
 //! each.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -29,22 +31,11 @@ use kvsan_engine::sampler::SamplingParams;
 use kvsan_engine::scheduler::SchedulerConfig;
 use kvsan_sanitizer::{Options, Sanitizer, TenantId};
 
+use common::{median, tokens};
+
 const REQUESTS: usize = 8;
 const PROMPT: usize = 192;
 const NEW: usize = 64;
-
-/// Deterministic pseudo-random token ids, away from special tokens.
-fn tokens(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            100 + ((x >> 33) % 40_000) as u32
-        })
-        .collect()
-}
 
 #[derive(Clone, Copy)]
 struct Arm {
@@ -111,11 +102,6 @@ fn run(model: &Arc<Model>, arm: Arm) -> Run {
         preemptions: stats.front.preemptions,
         tier_hits: stats.front.tier.hits,
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {
