@@ -39,6 +39,7 @@
 //! | `block-size-mismatch` | decode's copy of a KV message of whole pages (its bulk path) takes a page as holding half the slots it does (a block size mixed up between the sender's and the kernel's, vllm#28677): it writes each page's piece only up to slot `page_slots / 2` and drops the rest, so the second half of every page it receives keeps its previous owner's KV |
 //! | `transfer-replayed-after-commit` | prefill keeps each request's last KV message for a retry and sends it again after the next request's KV (a write whose acknowledgement it never saw, vllm#52234, sglang#24527); decode takes a KV message for a request it no longer holds for a retry of a lost write and copies it where its manifest says — into pages the free list has since handed to the next request, over that request's prompt |
 //! | `tier-load-failed-as-hit` | a preempted request's page read back from the host tier fails and the failure is swallowed (ai-dynamo/dynamo#15079: a failed disk-to-GPU onboard still counted as a hit; dynamo#8057): the load is counted done without its copy, and the request decodes on over the page as the free list left it — another request's KV |
+//! | `tier-store-after-reuse` | a preempted request's pages are freed as soon as their host-tier stores are queued, and the copies are made later, as an asynchronous copy engine makes them (LMCache#4955: a store still reading its source pages when the request was preempted and the pages reused): the next owner's KV is written to the tier under the preempted request's blocks, which it loads back and attends over |
 //! | `stale-batch-array` | the batch's block-table array is kept from step to step, and a row whose table has as many pages as the row held last step is taken as unchanged: when a request leaves and the next takes its row with as many pages, it stores into and reads the pages of the request that left |
 
 /// A fault this build can inject.
@@ -96,11 +97,14 @@ pub enum Fault {
     /// A failed read of a preempted request's page from the host tier
     /// counted as a load done.
     TierLoadFailedAsHit,
+    /// A preempted request's pages freed before their host-tier copies are
+    /// made.
+    TierStoreAfterReuse,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 23] = [
+    pub const ALL: [Fault; 24] = [
         Fault::RejectAsPlaceholder,
         Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
@@ -124,6 +128,7 @@ impl Fault {
         Fault::BlockSizeMismatch,
         Fault::TransferReplayedAfterCommit,
         Fault::TierLoadFailedAsHit,
+        Fault::TierStoreAfterReuse,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -153,6 +158,7 @@ impl Fault {
             Fault::BlockSizeMismatch => "block-size-mismatch",
             Fault::TransferReplayedAfterCommit => "transfer-replayed-after-commit",
             Fault::TierLoadFailedAsHit => "tier-load-failed-as-hit",
+            Fault::TierStoreAfterReuse => "tier-store-after-reuse",
         }
     }
 

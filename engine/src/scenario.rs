@@ -707,6 +707,38 @@ impl Scenario {
                     finish(v, p, &bystander)
                 },
             },
+            Fault::TierStoreAfterReuse => Scenario {
+                fault,
+                expected: ViolationKind::TierStoreSourceReused,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| {
+                    // As for tier-load-failed-as-hit: the pool holds the
+                    // victim's prompt and the probe's one page.
+                    cfg.pool_tokens = Some(33 * cfg.page_slots);
+                    cfg.allow_pool_smaller_than_context = true;
+                    cfg.kv_offload_host_bytes = 16 << 20;
+                },
+                drive: |engine, seed| {
+                    // The victim's first decode step preempts the probe to
+                    // the host tier. Under the fault the probe's page is
+                    // freed before its copy is made: the victim takes it
+                    // and writes its first decoded token's KV into it in
+                    // that step, and the copy, made at the next step, takes
+                    // that KV into the probe's block. The probe comes back
+                    // from the block and attends over the victim's KV at
+                    // its own first position. With the sanitizer the
+                    // store's completion finds its source page
+                    // re-allocated, and the probe ends there.
+                    let p = engine.submit(probe(4, 12));
+                    let v = engine.submit(victim(seed, 512, 12));
+                    let (v, p) = (v.wait(), p.wait());
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
         }
     }
 

@@ -280,6 +280,7 @@ fault_tests! {
     block_size_mismatch => Fault::BlockSizeMismatch,
     transfer_replayed_after_commit => Fault::TransferReplayedAfterCommit,
     tier_load_failed_as_hit => Fault::TierLoadFailedAsHit,
+    tier_store_after_reuse => Fault::TierStoreAfterReuse,
 }
 
 macro_rules! kernel_check_tests {

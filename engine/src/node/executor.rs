@@ -21,6 +21,8 @@ use crate::tier::{self, HOST_TIER, HostTier, TierStats};
 
 mod faults;
 
+pub(crate) use faults::complete_late_stores;
+
 /// Counters a node keeps for tests and the operator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
@@ -123,6 +125,8 @@ pub(crate) struct Executor {
     batch: BatchBuilder,
     /// Where preempted requests' pages go, if anywhere.
     tier: Option<HostTier>,
+    /// Host-tier copies a fail point makes late (none without it).
+    late_stores: faults::LateStores,
 }
 
 /// The client-facing error for a row the step's kernels stopped.
@@ -235,6 +239,7 @@ impl Executor {
             holders: vec![0; n_pages],
             batch: BatchBuilder::new(width),
             tier,
+            late_stores: faults::LateStores::default(),
         })
     }
 
@@ -431,7 +436,7 @@ impl Executor {
     /// which it still holds, go with it).
     pub fn offload(&mut self, seq: &mut Sequence) -> Result<bool, RequestError> {
         let pages: Vec<PageRef> = seq.table.pages().to_vec();
-        let Some(tier) = self.tier.as_mut() else {
+        let Some(tier) = self.tier.as_ref() else {
             return Ok(false);
         };
         if seq.computed == 0 || pages.is_empty() || tier.free_blocks() < pages.len() {
@@ -439,6 +444,7 @@ impl Executor {
         }
         let mut blocks = Vec::with_capacity(pages.len());
         for page in pages {
+            let tier = self.tier.as_mut().expect("checked above");
             let b = tier.take().expect("free blocks counted above");
             let id = TierBlockId::new(HOST_TIER, b);
             let verdict = self
@@ -452,6 +458,10 @@ impl Executor {
                 return Err(RequestError::aborted_by(verdict, &self.name));
             }
             blocks.push(b);
+            if faults::store_late(self, seq.owner, page, b) {
+                continue;
+            }
+            let tier = self.tier.as_mut().expect("checked above");
             let digest = tier.store(b, self.pool.page_data(page.page));
             let verdict = self.hooks.tier_store_done(id, digest, true);
             if !verdict.is_continue() {
@@ -459,7 +469,9 @@ impl Executor {
                 return Err(RequestError::aborted_by(verdict, &self.name));
             }
         }
-        tier.stats.stores += blocks.len() as u64;
+        if let Some(tier) = self.tier.as_mut() {
+            tier.stats.stores += blocks.len() as u64;
+        }
         let tokens = seq.computed;
         let kv = std::mem::take(&mut seq.kv);
         self.release(seq);
@@ -478,6 +490,10 @@ impl Executor {
         let Some(off) = seq.offloaded.take() else {
             return Ok(true);
         };
+        if let Some(e) = faults::doomed(self, seq.owner.request) {
+            self.release_blocks(&off.blocks);
+            return Err(e);
+        }
         match self.ensure_pages(seq, off.tokens) {
             Ok(true) => {}
             Ok(false) => {

@@ -97,6 +97,7 @@ impl Scheduler {
         let mut failed = Vec::new();
         let mut planned: Vec<(RequestId, usize)> = Vec::new();
         self.starved = false;
+        crate::node::executor::complete_late_stores(core);
         let budget = self.schedule_decodes(core, &mut planned, &mut failed);
         let budget = self.schedule_prefill_chunks(core, budget, &mut planned, &mut failed);
         self.admit(core, budget, &mut planned, &mut failed);

@@ -5,7 +5,9 @@
 
 use std::borrow::Cow;
 
-use kvsan_sanitizer::{Owner, PageRef, TenantId};
+use std::collections::HashMap;
+
+use kvsan_sanitizer::{Owner, PageRef, RequestId, TenantId, TierBlockId};
 
 use super::Executor;
 use crate::faults::{Fault, active};
@@ -134,4 +136,59 @@ pub(super) fn double_free(core: &mut Executor, owner: Owner, pages: &[PageRef]) 
 /// swallowed — the load counts as done, its copy never made.
 pub(super) fn tier_read_fails() -> bool {
     active(Fault::TierLoadFailedAsHit)
+}
+
+/// Fault `tier-store-after-reuse`: host-tier stores whose copy is made
+/// late, and the errors their completions ended their requests with.
+/// Empty without the fault.
+#[derive(Debug, Default)]
+pub(crate) struct LateStores {
+    /// Each store's owner, source page and block, in order.
+    copies: Vec<(Owner, PageRef, u64)>,
+    /// A request whose late store the hook target refused: its error, for
+    /// its load to end it with.
+    doomed: HashMap<RequestId, crate::request::RequestError>,
+}
+
+/// `false`: a store into a host-tier block copies the page now.
+///
+/// Fault `tier-store-after-reuse`: the copy is queued for later (as an
+/// asynchronous copy engine runs it), while the preemption frees the
+/// page at once, as if the copy had been taken.
+pub(super) fn store_late(core: &mut Executor, owner: Owner, page: PageRef, block: u64) -> bool {
+    if !active(Fault::TierStoreAfterReuse) {
+        return false;
+    }
+    core.late_stores.copies.push((owner, page, block));
+    true
+}
+
+/// Nothing: no store is late.
+///
+/// Fault `tier-store-after-reuse`: the queued copies are made now, from
+/// the pages as they are now, and completed (the hook target told).
+pub(crate) fn complete_late_stores(core: &mut Executor) {
+    for (owner, page, block) in std::mem::take(&mut core.late_stores.copies) {
+        let Some(tier) = core.tier.as_mut() else {
+            return;
+        };
+        let digest = tier.store(block, core.pool.page_data(page.page));
+        let id = TierBlockId::new(crate::tier::HOST_TIER, block);
+        let verdict = core.hooks.tier_store_done(id, digest, true);
+        if !verdict.is_continue() {
+            let e = crate::request::RequestError::aborted_by(verdict, &core.name);
+            core.late_stores.doomed.insert(owner.request, e);
+        }
+    }
+}
+
+/// `None`: a request's stores completed as they started.
+///
+/// Fault `tier-store-after-reuse`: the error a refused late completion
+/// ended the request with.
+pub(super) fn doomed(
+    core: &mut Executor,
+    request: RequestId,
+) -> Option<crate::request::RequestError> {
+    core.late_stores.doomed.remove(&request)
 }
