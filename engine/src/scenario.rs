@@ -681,14 +681,7 @@ impl Scenario {
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,
                 topology: Topology::Unified,
-                configure: |cfg| {
-                    // The pool holds the victim's prompt (32 pages) and
-                    // the probe's one page; preempted pages go to a host
-                    // tier.
-                    cfg.pool_tokens = Some(33 * cfg.page_slots);
-                    cfg.allow_pool_smaller_than_context = true;
-                    cfg.kv_offload_host_bytes = 16 << 20;
-                },
+                configure: preempting_to_the_host_tier,
                 drive: |engine, seed| {
                     // The probe is admitted first; the victim's 512-token
                     // prompt fills the rest of the pool, so its first
@@ -700,11 +693,7 @@ impl Scenario {
                     // counted done: the probe decodes on over the victim's
                     // prompt KV. With the sanitizer the digest of what
                     // landed is not the stored one.
-                    let p = engine.submit(probe(4, 12));
-                    let v = engine.submit(victim(seed, 512, 12));
-                    let (v, p) = (v.wait(), p.wait());
-                    let bystander = engine.submit(bystander());
-                    finish(v, p, &bystander)
+                    probe_preempted_by_the_victim(engine, seed)
                 },
             },
             Fault::TierStoreAfterReuse => Scenario {
@@ -714,13 +703,7 @@ impl Scenario {
                 kernel_check: None,
                 victim_end: VictimEnd::Finishes,
                 topology: Topology::Unified,
-                configure: |cfg| {
-                    // As for tier-load-failed-as-hit: the pool holds the
-                    // victim's prompt and the probe's one page.
-                    cfg.pool_tokens = Some(33 * cfg.page_slots);
-                    cfg.allow_pool_smaller_than_context = true;
-                    cfg.kv_offload_host_bytes = 16 << 20;
-                },
+                configure: preempting_to_the_host_tier,
                 drive: |engine, seed| {
                     // The victim's first decode step preempts the probe to
                     // the host tier. Under the fault the probe's page is
@@ -732,11 +715,7 @@ impl Scenario {
                     // its own first position. With the sanitizer the
                     // store's completion finds its source page
                     // re-allocated, and the probe ends there.
-                    let p = engine.submit(probe(4, 12));
-                    let v = engine.submit(victim(seed, 512, 12));
-                    let (v, p) = (v.wait(), p.wait());
-                    let bystander = engine.submit(bystander());
-                    finish(v, p, &bystander)
+                    probe_preempted_by_the_victim(engine, seed)
                 },
             },
         }
@@ -1001,6 +980,25 @@ fn cancel_behind_filler(engine: &Engine, victim: Request) -> Attempt {
     let _ = filler.wait();
     let bystander = engine.submit(bystander());
     finish(victim, probe, &bystander)
+}
+
+/// The tier scenarios' pool: the victim's 512-token prompt (32 pages) and
+/// the probe's one page; preempted pages go to a host tier.
+fn preempting_to_the_host_tier(cfg: &mut EngineConfig) {
+    cfg.pool_tokens = Some(33 * cfg.page_slots);
+    cfg.allow_pool_smaller_than_context = true;
+    cfg.kv_offload_host_bytes = 16 << 20;
+}
+
+/// The probe is admitted first; the victim's prompt fills the rest of the
+/// pool, so its first decode step needs a page and preempts the probe to
+/// the host tier; the probe comes back once the victim is done.
+fn probe_preempted_by_the_victim(engine: &Engine, seed: u32) -> Result<ScenarioRun, MissedMargin> {
+    let p = engine.submit(probe(4, 12));
+    let v = engine.submit(victim(seed, 512, 12));
+    let (v, p) = (v.wait(), p.wait());
+    let bystander = engine.submit(bystander());
+    finish(v, p, &bystander)
 }
 
 /// `free-during-transfer`: the step budget of both nodes.

@@ -18,4 +18,22 @@ static void ok(int32_t status, const char *what) {
     }
 }
 
+/* expect_verdict(): the verdict must be no violation. */
+#define KVSAN_TEST_CONTINUE UINT32_MAX
+
+/* Prints `what: <the violation's kind, or continue>` and counts a failure
+ * unless the verdict aborts with `kind` (KVSAN_TEST_CONTINUE: goes on). */
+static inline void expect_verdict(const char *what, KvsanVerdict v, uint32_t kind) {
+    const char *got = v.code == KVSAN_VERDICT_CONTINUE ? "continue"
+                                                       : kvsan_violation_kind_name(v.kind);
+    printf("%s: %s\n", what, got ? got : "(unknown kind)");
+    int want_continue = kind == KVSAN_TEST_CONTINUE;
+    if (want_continue ? v.code != KVSAN_VERDICT_CONTINUE
+                      : v.code != KVSAN_VERDICT_ABORT || v.kind != kind) {
+        printf("%s: expected %s\n", what,
+               want_continue ? "continue" : kvsan_violation_kind_name(kind));
+        failures++;
+    }
+}
+
 #endif

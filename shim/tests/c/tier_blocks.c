@@ -32,30 +32,16 @@
 #define SLOTS 4
 #define LAYERS 2
 #define HOST 0u
-#define CONTINUE UINT32_MAX /* expect(): no violation */
 
 /* The engine's digests of what a block holds. Reports never show them. */
 #define DIGEST 0x7e17d16e57ull
 #define OTHER_DIGEST 0xbadd16e57ull
 
-static void expect(const char *what, KvsanVerdict v, uint32_t kind) {
-    const char *got = v.code == KVSAN_VERDICT_CONTINUE ? "continue"
-                                                       : kvsan_violation_kind_name(v.kind);
-    printf("%s: %s\n", what, got ? got : "(unknown kind)");
-    int want_continue = kind == CONTINUE;
-    if (want_continue ? v.code != KVSAN_VERDICT_CONTINUE
-                      : v.code != KVSAN_VERDICT_ABORT || v.kind != kind) {
-        printf("%s: expected %s\n", what,
-               want_continue ? "continue" : kvsan_violation_kind_name(kind));
-        failures++;
-    }
-}
-
 static KvsanPageRef take(uint32_t pool, KvsanOwner who, uint32_t page) {
     KvsanPageRef ref = {0, 0};
     KvsanVerdict v;
     ok(kvsan_alloc(pool, who, page, 0, &ref, &v), "alloc");
-    expect("alloc", v, CONTINUE);
+    expect_verdict("alloc", v, KVSAN_TEST_CONTINUE);
     return ref;
 }
 
@@ -63,13 +49,13 @@ static void compute(uint32_t pool, KvsanOwner who, KvsanPageRef page, uint32_t s
     KvsanVerdict v;
     ok(kvsan_write(pool, who, page, (KvsanRange){0, slots}, (KvsanRange){0, LAYERS}, 1, &v),
        "write");
-    expect("write", v, CONTINUE);
+    expect_verdict("write", v, KVSAN_TEST_CONTINUE);
 }
 
 static void release_page(uint32_t pool, KvsanOwner who, KvsanPageRef page) {
     KvsanVerdict v;
     ok(kvsan_free(pool, who, page, 2, &v), "free");
-    expect("free", v, CONTINUE);
+    expect_verdict("free", v, KVSAN_TEST_CONTINUE);
 }
 
 static KvsanVerdict store(uint32_t pool, KvsanOwner who, KvsanPageRef page, uint64_t block) {
@@ -114,43 +100,43 @@ int main(void) {
     /* 1. preempted to the host tier and back */
     KvsanPageRef a0 = take(pool, a, 0);
     compute(pool, a, a0, 3);
-    expect("A store page 0 into block 5", store(pool, a, a0, 5), CONTINUE);
-    expect("A store done", done(5, DIGEST), CONTINUE);
+    expect_verdict("A store page 0 into block 5", store(pool, a, a0, 5), KVSAN_TEST_CONTINUE);
+    expect_verdict("A store done", done(5, DIGEST), KVSAN_TEST_CONTINUE);
     release_page(pool, a, a0);
     KvsanPageRef a1 = take(pool, a, 1);
-    expect("A load block 5", load(pool, a, a1, 5), CONTINUE);
-    expect("A verify", verify(pool, a, a1, 5, DIGEST), CONTINUE);
-    expect("A read 3 tokens", read_tokens(pool, a, a1, 3), CONTINUE);
-    expect("A read 4 tokens", read_tokens(pool, a, a1, 4), KVSAN_KIND_STALE_READ);
+    expect_verdict("A load block 5", load(pool, a, a1, 5), KVSAN_TEST_CONTINUE);
+    expect_verdict("A verify", verify(pool, a, a1, 5, DIGEST), KVSAN_TEST_CONTINUE);
+    expect_verdict("A read 3 tokens", read_tokens(pool, a, a1, 3), KVSAN_TEST_CONTINUE);
+    expect_verdict("A read 4 tokens", read_tokens(pool, a, a1, 4), KVSAN_KIND_STALE_READ);
 
     /* 2. two pages into one block */
     KvsanPageRef b2 = take(pool, b, 2);
     compute(pool, b, b2, SLOTS);
-    expect("B store into block 5", store(pool, b, b2, 5), KVSAN_KIND_TIER_BLOCK_ALIASED);
+    expect_verdict("B store into block 5", store(pool, b, b2, 5), KVSAN_KIND_TIER_BLOCK_ALIASED);
 
     /* 3. another request's block */
-    expect("B load block 5", load(pool, b, b2, 5), KVSAN_KIND_TIER_FOREIGN_LOAD);
+    expect_verdict("B load block 5", load(pool, b, b2, 5), KVSAN_KIND_TIER_FOREIGN_LOAD);
 
     /* 4. what landed is not what was stored */
-    expect("A load block 5 again", load(pool, a, a1, 5), CONTINUE);
-    expect("A verify, other digest", verify(pool, a, a1, 5, OTHER_DIGEST),
+    expect_verdict("A load block 5 again", load(pool, a, a1, 5), KVSAN_TEST_CONTINUE);
+    expect_verdict("A verify, other digest", verify(pool, a, a1, 5, OTHER_DIGEST),
            KVSAN_KIND_TIER_DIGEST_MISMATCH);
 
     /* 5. the source page reused while its store is in flight */
     KvsanPageRef b3 = take(pool, b, 3);
     compute(pool, b, b3, SLOTS);
-    expect("B store page 3 into block 6", store(pool, b, b3, 6), CONTINUE);
+    expect_verdict("B store page 3 into block 6", store(pool, b, b3, 6), KVSAN_TEST_CONTINUE);
     release_page(pool, b, b3);
     KvsanPageRef a3 = take(pool, a, 3);
     compute(pool, a, a3, SLOTS);
-    expect("B store done after reuse", done(6, DIGEST), KVSAN_KIND_TIER_STORE_SOURCE_REUSED);
-    expect("B load block 6", load(pool, b, b2, 6), KVSAN_KIND_TIER_LOAD_UNSTORED);
+    expect_verdict("B store done after reuse", done(6, DIGEST), KVSAN_KIND_TIER_STORE_SOURCE_REUSED);
+    expect_verdict("B load block 6", load(pool, b, b2, 6), KVSAN_KIND_TIER_LOAD_UNSTORED);
 
     /* 6. released */
     KvsanVerdict v;
     ok(kvsan_tier_release(HOST, 5, &v), "tier_release");
-    expect("release block 5", v, CONTINUE);
-    expect("A load released block 5", load(pool, a, a1, 5), KVSAN_KIND_TIER_LOAD_UNSTORED);
+    expect_verdict("release block 5", v, KVSAN_TEST_CONTINUE);
+    expect_verdict("A load released block 5", load(pool, a, a1, 5), KVSAN_KIND_TIER_LOAD_UNSTORED);
 
     /* 7. a completion code the ABI does not define */
     int32_t status = kvsan_tier_store_done(HOST, 7, DIGEST, 2, &v);

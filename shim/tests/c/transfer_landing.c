@@ -28,24 +28,10 @@
 
 #define SLOTS 4
 #define LAYERS 2
-#define CONTINUE UINT32_MAX /* expect(): no violation */
 
 /* The sender's digest and one that differs. Reports never show either. */
 #define SENT_DIGEST 0x5e17d16e57ull
 #define OTHER_DIGEST 0xbadd16e57ull
-
-static void expect(const char *what, KvsanVerdict v, uint32_t kind) {
-    const char *got = v.code == KVSAN_VERDICT_CONTINUE ? "continue"
-                                                       : kvsan_violation_kind_name(v.kind);
-    printf("%s: %s\n", what, got ? got : "(unknown kind)");
-    int want_continue = kind == CONTINUE;
-    if (want_continue ? v.code != KVSAN_VERDICT_CONTINUE
-                      : v.code != KVSAN_VERDICT_ABORT || v.kind != kind) {
-        printf("%s: expected %s\n", what,
-               want_continue ? "continue" : kvsan_violation_kind_name(kind));
-        failures++;
-    }
-}
 
 static uint32_t register_pool(const char *node, uint32_t role) {
     KvsanPoolGeometry g = {8, SLOTS, LAYERS, role, 128, (const uint8_t *)node, strlen(node)};
@@ -58,7 +44,7 @@ static KvsanPageRef reserve(uint32_t pool, KvsanOwner who, uint32_t page) {
     KvsanPageRef ref = {0, 0};
     KvsanVerdict v;
     ok(kvsan_alloc(pool, who, page, 0, &ref, &v), "alloc");
-    expect("alloc", v, CONTINUE);
+    expect_verdict("alloc", v, KVSAN_TEST_CONTINUE);
     return ref;
 }
 
@@ -135,40 +121,40 @@ int main(void) {
     /* (a) A's transfer, each copy where the manifest says */
     KvsanPageRef a_pages[2] = {reserve(pool, a, 0), reserve(pool, a, 1)};
     KvsanManifest ma = manifest(pool, a, a_pages, 2, 6);
-    expect("A recv", arrive(pool, &ma), CONTINUE);
+    expect_verdict("A recv", arrive(pool, &ma), KVSAN_TEST_CONTINUE);
     KvsanPageLanding a0 = landing(a, a_pages[0], 0, SLOTS, SENT_DIGEST);
     KvsanPageLanding a1 = landing(a, a_pages[1], SLOTS, 6 - SLOTS, SENT_DIGEST);
-    expect("A land page 0", land(pool, a0), CONTINUE);
-    expect("A land page 1", land(pool, a1), CONTINUE);
-    expect("A verify page 0", verify(pool, a0), CONTINUE);
-    expect("A verify page 1", verify(pool, a1), CONTINUE);
-    expect("A commit", commit(pool, a, a_pages, 2, 6), CONTINUE);
-    expect("A read", read_kv(pool, a, a_pages, 2, 6), CONTINUE);
+    expect_verdict("A land page 0", land(pool, a0), KVSAN_TEST_CONTINUE);
+    expect_verdict("A land page 1", land(pool, a1), KVSAN_TEST_CONTINUE);
+    expect_verdict("A verify page 0", verify(pool, a0), KVSAN_TEST_CONTINUE);
+    expect_verdict("A verify page 1", verify(pool, a1), KVSAN_TEST_CONTINUE);
+    expect_verdict("A commit", commit(pool, a, a_pages, 2, 6), KVSAN_TEST_CONTINUE);
+    expect_verdict("A read", read_kv(pool, a, a_pages, 2, 6), KVSAN_TEST_CONTINUE);
 
     /* (b) a copy of A's KV aimed at B's reserved page */
     KvsanPageRef b_page = reserve(pool, b, 2);
     KvsanManifest mb = manifest(pool, b, &b_page, 1, SLOTS);
-    expect("B recv", arrive(pool, &mb), CONTINUE);
-    expect("A's KV into B's page", land(pool, landing(a, b_page, 0, SLOTS, SENT_DIGEST)),
+    expect_verdict("B recv", arrive(pool, &mb), KVSAN_TEST_CONTINUE);
+    expect_verdict("A's KV into B's page", land(pool, landing(a, b_page, 0, SLOTS, SENT_DIGEST)),
            KVSAN_KIND_MISDIRECTED_TRANSFER);
     KvsanPageLanding b0 = landing(b, b_page, 0, SLOTS, SENT_DIGEST);
-    expect("B land", land(pool, b0), CONTINUE);
-    expect("B verify", verify(pool, b0), CONTINUE);
-    expect("B commit", commit(pool, b, &b_page, 1, SLOTS), CONTINUE);
+    expect_verdict("B land", land(pool, b0), KVSAN_TEST_CONTINUE);
+    expect_verdict("B verify", verify(pool, b0), KVSAN_TEST_CONTINUE);
+    expect_verdict("B commit", commit(pool, b, &b_page, 1, SLOTS), KVSAN_TEST_CONTINUE);
 
     /* (c) what landed is not what was sent */
     KvsanPageRef c_page = reserve(pool, c, 3);
     KvsanManifest mc = manifest(pool, c, &c_page, 1, SLOTS);
-    expect("C recv", arrive(pool, &mc), CONTINUE);
-    expect("C land", land(pool, landing(c, c_page, 0, SLOTS, SENT_DIGEST)), CONTINUE);
-    expect("C verify, other digest", verify(pool, landing(c, c_page, 0, SLOTS, OTHER_DIGEST)),
+    expect_verdict("C recv", arrive(pool, &mc), KVSAN_TEST_CONTINUE);
+    expect_verdict("C land", land(pool, landing(c, c_page, 0, SLOTS, SENT_DIGEST)), KVSAN_TEST_CONTINUE);
+    expect_verdict("C verify, other digest", verify(pool, landing(c, c_page, 0, SLOTS, OTHER_DIGEST)),
            KVSAN_KIND_TRANSFER_DIGEST_MISMATCH);
 
     /* (d) the manifest alone marks nothing written */
     KvsanPageRef d_page = reserve(pool, d, 4);
     KvsanManifest md = manifest(pool, d, &d_page, 1, SLOTS);
-    expect("D recv", arrive(pool, &md), CONTINUE);
-    expect("D commit, nothing landed", commit(pool, d, &d_page, 1, SLOTS),
+    expect_verdict("D recv", arrive(pool, &md), KVSAN_TEST_CONTINUE);
+    expect_verdict("D commit, nothing landed", commit(pool, d, &d_page, 1, SLOTS),
            KVSAN_KIND_SHORT_TRANSFER);
 
     /* (e) an engine built before 1.5: the manifest is taken as written */
@@ -176,9 +162,9 @@ int main(void) {
     KvsanOwner e = {5, 7, 0};
     KvsanPageRef e_page = reserve(before, e, 0);
     KvsanManifest me = manifest(before, e, &e_page, 1, SLOTS);
-    expect("E recv (before 1.5)", arrive(before, &me), CONTINUE);
-    expect("E commit (before 1.5)", commit(before, e, &e_page, 1, SLOTS), CONTINUE);
-    expect("E read (before 1.5)", read_kv(before, e, &e_page, 1, SLOTS), CONTINUE);
+    expect_verdict("E recv (before 1.5)", arrive(before, &me), KVSAN_TEST_CONTINUE);
+    expect_verdict("E commit (before 1.5)", commit(before, e, &e_page, 1, SLOTS), KVSAN_TEST_CONTINUE);
+    expect_verdict("E read (before 1.5)", read_kv(before, e, &e_page, 1, SLOTS), KVSAN_TEST_CONTINUE);
 
     uint64_t count = 0, misdirected = 0, mismatched = 0;
     ok(kvsan_violation_count(&count), "violation_count");
