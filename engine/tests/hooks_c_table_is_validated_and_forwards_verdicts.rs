@@ -822,3 +822,92 @@ fn an_unknown_kind_or_code_still_aborts_keeping_the_violation_id() {
     );
     assert_eq!(KVSAN_VERDICT_CONTINUE, 0);
 }
+
+/// A library that refuses every tier store (as it would a store into a
+/// block still holding another page).
+unsafe extern "C" fn refuse_store(
+    _: *mut c_void,
+    _: u32,
+    _: KvsanOwner,
+    _: KvsanPageRef,
+    _: u32,
+    _: u64,
+    _: u64,
+) -> KvsanVerdict {
+    KvsanVerdict {
+        code: KVSAN_VERDICT_ABORT,
+        kind: ViolationKind::TierBlockAliased.code(),
+        violation_id: 77,
+    }
+}
+
+/// An engine with a host tier whose library refuses its stores: each
+/// request it preempts ends with that violation (its pages returned, no
+/// block kept), and the others finish.
+#[test]
+fn a_tier_store_the_library_refuses_ends_the_preempted_request_and_the_others_finish() {
+    use kvsan_engine::engine::{Engine, EngineConfig};
+    use kvsan_engine::model::SyntheticSpec;
+    use kvsan_engine::request::{ErrorKind, Request};
+    use kvsan_engine::sampler::SamplingParams;
+    use kvsan_engine::scheduler::SchedulerConfig;
+
+    let s = sanitizer();
+    let mut t = tier_table(&s);
+    t.tier_store = Some(refuse_store);
+    let t = Box::leak(Box::new(t));
+    // SAFETY: a whole table, leaked for the process; ctx is `s`, kept alive below.
+    let hooks = Hooks::c_table(unsafe { CTableHooks::from_raw(t) }.expect("attached"));
+    let model = Arc::new(
+        SyntheticSpec {
+            context_length: 1024,
+            ..SyntheticSpec::default()
+        }
+        .build()
+        .expect("synthetic model"),
+    );
+    let cfg = EngineConfig {
+        pool_tokens: Some(128),
+        allow_pool_smaller_than_context: true,
+        scheduler: SchedulerConfig {
+            step_tokens: 64,
+            max_running: 16,
+            chunk_tokens: None,
+        },
+        hooks,
+        kv_offload_host_bytes: 16 << 20,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::unified(model, &cfg).expect("engine");
+    let handles: Vec<_> = (0..12u32)
+        .map(|i| {
+            engine.submit(Request {
+                tenant: TenantId(1 + i % 3),
+                prompt: (0..30).map(|t| (t * 7 + i) % 256).collect(),
+                max_tokens: 40,
+                sampling: SamplingParams::greedy(),
+                stop_tokens: Vec::new(),
+                cache_salt: Default::default(),
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = handles.into_iter().map(|h| h.wait()).collect();
+    let refused: Vec<_> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
+    let stats = engine.stats();
+    assert!(
+        stats.front.preemptions > 0,
+        "the pool was meant to force preemption"
+    );
+    assert!(!refused.is_empty(), "a preempted request ends");
+    for e in &refused {
+        assert_eq!(e.kind, ErrorKind::Violation, "{e:?}");
+        assert_eq!(
+            e.violation.map(|v| v.kind),
+            Some(ViolationKind::TierBlockAliased),
+            "{e:?}"
+        );
+    }
+    assert!(outcomes.iter().any(Result::is_ok), "the others finish");
+    assert_eq!((stats.front.tier.stores, stats.front.tier.used), (0, 0));
+    assert_eq!(stats.front.free_pages, stats.front.total_pages);
+}
