@@ -11,6 +11,9 @@
 //! points; poisoned freed pages, reused in the release engine's order (no
 //! quarantine, the default).
 //!
+//! Both topologies soak once more with a host KV tier: preempted
+//! requests' pages stored and loaded back, every store and load checked.
+//!
 //! The same soak runs once more in a child process of this test binary
 //! (built without `sanitize`) under `LD_PRELOAD` of the shim: the engine
 //! finds the shim's hook table itself, and the shim's exit summary must say
@@ -87,10 +90,13 @@ enum Under {
 }
 
 fn soak(disaggregated: bool) {
-    soak_under(disaggregated, &Under::InProcess);
+    soak_under(disaggregated, &Under::InProcess, false);
 }
 
-fn soak_under(disaggregated: bool, under: &Under) {
+/// `tier`: preempted requests' pages go to a host-memory tier and come
+/// back (the engine's `kv_offload_host_bytes`), every store and load
+/// checked.
+fn soak_under(disaggregated: bool, under: &Under, tier: bool) {
     let model = Arc::new(
         SyntheticSpec {
             context_length: CONTEXT,
@@ -126,6 +132,7 @@ fn soak_under(disaggregated: bool, under: &Under) {
         check: AttentionCheck::Generations,
         hooks,
         prefix_cache: PrefixCachePolicy::Tenant,
+        kv_offload_host_bytes: if tier { 8 << 20 } else { 0 },
         ..EngineConfig::default()
     };
     let engine = if disaggregated {
@@ -225,6 +232,17 @@ fn soak_under(disaggregated: bool, under: &Under) {
         0,
         "the anomaly monitor flags no honest request: {end:?}"
     );
+    if tier {
+        let hits = end.front.tier.hits + end.prefill.as_ref().map_or(0, |p| p.tier.hits);
+        assert!(
+            hits > 0,
+            "preempted requests came back from the tier: {end:?}"
+        );
+        assert_eq!(
+            end.front.tier.used, 0,
+            "every tier block let go of: {end:?}"
+        );
+    }
 }
 
 #[test]
@@ -237,13 +255,19 @@ fn disaggregated_engine_with_the_sanitizer_answers_600_mixed_requests_without_a_
     soak(true);
 }
 
+#[test]
+fn with_a_host_tier_both_topologies_answer_600_mixed_requests_without_a_violation() {
+    soak_under(false, &Under::InProcess, true);
+    soak_under(true, &Under::InProcess, true);
+}
+
 const SHIM_CHILD: &str = "KVSAN_TEST_SOAK_UNDER_SHIM";
 
 #[test]
 fn under_the_shim_both_topologies_answer_600_mixed_requests_without_a_violation() {
     if std::env::var_os(SHIM_CHILD).is_some() {
-        soak_under(false, &Under::Environment);
-        soak_under(true, &Under::Environment);
+        soak_under(false, &Under::Environment, false);
+        soak_under(true, &Under::Environment, false);
         return;
     }
     let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
