@@ -266,22 +266,10 @@ impl KvPool {
         let g = &self.geometry;
         let width = slots.len() * g.slot_width();
         let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(seed);
-        let mut buf = [0u8; 4096];
         for layer in layers {
             for kv in 0..2 {
                 let at = g.offset(page, layer, kv, slots.start);
-                let run = &self.data[at..at + width];
-                if cfg!(target_endian = "little") {
-                    // The elements' memory is their little-endian wire bytes.
-                    hasher.update(bytemuck::cast_slice(run));
-                    continue;
-                }
-                for chunk in run.chunks(buf.len() / 2) {
-                    for (b, v) in buf.chunks_exact_mut(2).zip(chunk) {
-                        b.copy_from_slice(&v.to_bits().to_le_bytes());
-                    }
-                    hasher.update(&buf[..chunk.len() * 2]);
-                }
+                hash_f16(&mut hasher, &self.data[at..at + width]);
             }
         }
         hasher.digest()
@@ -332,5 +320,22 @@ impl KvPool {
             }
         }
         Ok(need)
+    }
+}
+
+/// Feeds `run` to `hasher` as its little-endian wire bytes, without a copy
+/// where that is its memory.
+pub(crate) fn hash_f16(hasher: &mut xxhash_rust::xxh3::Xxh3, run: &[f16]) {
+    if cfg!(target_endian = "little") {
+        // The elements' memory is their little-endian wire bytes.
+        hasher.update(bytemuck::cast_slice(run));
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    for chunk in run.chunks(buf.len() / 2) {
+        for (b, v) in buf.chunks_exact_mut(2).zip(chunk) {
+            b.copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+        hasher.update(&buf[..chunk.len() * 2]);
     }
 }

@@ -116,11 +116,9 @@ impl HostTier {
 /// a page that holds what the block holds. Never printed: it is derived
 /// from KV.
 pub(crate) fn digest(page: &[f16]) -> u64 {
-    let bytes: Vec<u8> = page
-        .iter()
-        .flat_map(|v| v.to_bits().to_le_bytes())
-        .collect();
-    xxhash_rust::xxh3::xxh3_64(&bytes)
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    crate::kv_pool::hash_f16(&mut hasher, page);
+    hasher.digest()
 }
 
 #[cfg(test)]

@@ -223,7 +223,6 @@ impl Executor {
             stats: NodeStats {
                 total_pages: n_pages,
                 free_pages: n_pages,
-                tier: tier.as_ref().map(|t| t.stats).unwrap_or_default(),
                 ..NodeStats::default()
             },
             pool,
@@ -476,7 +475,6 @@ impl Executor {
         let kv = std::mem::take(&mut seq.kv);
         self.release(seq);
         seq.offloaded = Some(Offloaded { blocks, tokens, kv });
-        self.sync_tier_stats();
         Ok(true)
     }
 
@@ -549,13 +547,11 @@ impl Executor {
             let _ = self.hooks.tier_release(TierBlockId::new(HOST_TIER, b));
             tier.put_back(b);
         }
-        self.sync_tier_stats();
     }
 
-    fn sync_tier_stats(&mut self) {
-        if let Some(tier) = &self.tier {
-            self.stats.tier = tier.stats;
-        }
+    /// The host tier's counters (all zero without one).
+    pub fn tier_stats(&self) -> TierStats {
+        self.tier.as_ref().map(|t| t.stats).unwrap_or_default()
     }
 
     /// `owner` (a request, or the cache) lets go of `page`, unless the free

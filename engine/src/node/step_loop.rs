@@ -187,6 +187,7 @@ pub(crate) fn stats(core: &Executor, sched: &Scheduler) -> crate::node::NodeStat
     s.prefix_cache_queries = core.cache.queries;
     s.prefix_cache_hits = core.cache.hits;
     s.cached_pages = core.cache.len();
+    s.tier = core.tier_stats();
     s
 }
 
