@@ -1,5 +1,5 @@
-//! Preemption with the host KV tier against preemption by recompute, with
-//! and without the sanitizer, on the default model (SmolLM2-135M Q4_1) in
+//! Preemption with a KV tier (host memory, or the disk tier's file)
+//! against preemption by recompute, with and without the sanitizer, on the default model (SmolLM2-135M Q4_1) in
 //! the real engine (unified node, 2 threads as the machine gives).
 //!
 //! ```text
@@ -8,14 +8,15 @@
 //!
 //! Workload: 8 requests of 192-token prompts and 64 new tokens each, all in
 //! flight at once, on a pool of 48 pages of 16 slots (768 tokens: a few
-//! requests fit at once, the rest wait or are preempted mid-decode). Four
-//! arms — recompute or host tier (`kv_offload_host_bytes`), no sanitizer or
+//! requests fit at once, the rest wait or are preempted mid-decode). Six
+//! arms — recompute, host tier (`kv_offload_host_bytes`) or disk tier
+//! (`kv_offload_dir` in a temporary directory), each with no sanitizer or
 //! the in-process sanitizer with the checked kernel — run alternately,
 //! `KVSAN_BENCH_RUNS` rounds (default 3). Prints, per arm, the median wall
 //! time and generated tokens/s, the preemptions and tier hits of a run, and
-//! per round the ratio of the tier's time to recompute's (below 1: the tier
-//! is faster) with and without the sanitizer, and the sanitizer's cost on
-//! each.
+//! per round the ratio of each tier's time to recompute's (below 1: the
+//! tier is faster) with and without the sanitizer, and the sanitizer's
+//! cost on each.
 
 mod common;
 
@@ -37,10 +38,17 @@ const REQUESTS: usize = 8;
 const PROMPT: usize = 192;
 const NEW: usize = 64;
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tier {
+    Recompute,
+    Host,
+    Disk,
+}
+
 #[derive(Clone, Copy)]
 struct Arm {
     name: &'static str,
-    tier: bool,
+    tier: Tier,
     sanitized: bool,
 }
 
@@ -50,7 +58,7 @@ struct Run {
     tier_hits: u64,
 }
 
-fn run(model: &Arc<Model>, arm: Arm) -> Run {
+fn run(model: &Arc<Model>, arm: Arm, disk: &std::path::Path) -> Run {
     let (hooks, check, sanitizer) = if arm.sanitized {
         let s = Arc::new(Sanitizer::with_writer(Options::default(), std::io::sink()));
         (
@@ -72,7 +80,9 @@ fn run(model: &Arc<Model>, arm: Arm) -> Run {
         },
         check,
         hooks,
-        kv_offload_host_bytes: if arm.tier { 256 << 20 } else { 0 },
+        kv_offload_host_bytes: if arm.tier == Tier::Host { 256 << 20 } else { 0 },
+        kv_offload_dir: (arm.tier == Tier::Disk).then(|| disk.to_path_buf()),
+        kv_offload_disk_bytes: 256 << 20,
         ..EngineConfig::default()
     };
     let engine = Engine::unified(model.clone(), &cfg).expect("engine");
@@ -100,7 +110,7 @@ fn run(model: &Arc<Model>, arm: Arm) -> Run {
     Run {
         secs,
         preemptions: stats.front.preemptions,
-        tier_hits: stats.front.tier.hits,
+        tier_hits: stats.front.tiers.iter().map(|t| t.hits).sum(),
     }
 }
 
@@ -112,34 +122,26 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
+    let arm = |name, tier, sanitized| Arm {
+        name,
+        tier,
+        sanitized,
+    };
     let arms = [
-        Arm {
-            name: "recompute",
-            tier: false,
-            sanitized: false,
-        },
-        Arm {
-            name: "host tier",
-            tier: true,
-            sanitized: false,
-        },
-        Arm {
-            name: "recompute, sanitized",
-            tier: false,
-            sanitized: true,
-        },
-        Arm {
-            name: "host tier, sanitized",
-            tier: true,
-            sanitized: true,
-        },
+        arm("recompute", Tier::Recompute, false),
+        arm("host tier", Tier::Host, false),
+        arm("disk tier", Tier::Disk, false),
+        arm("recompute, sanitized", Tier::Recompute, true),
+        arm("host tier, sanitized", Tier::Host, true),
+        arm("disk tier, sanitized", Tier::Disk, true),
     ];
-    run(&model, arms[0]); // warm-up: page in the weights
+    let dir = tempfile::tempdir().expect("a directory for the disk tier");
+    run(&model, arms[0], dir.path()); // warm-up: page in the weights
     let mut secs: Vec<Vec<f64>> = vec![Vec::new(); arms.len()];
     let mut seen: Vec<(u64, u64)> = vec![(0, 0); arms.len()];
     for _ in 0..rounds {
         for (i, &arm) in arms.iter().enumerate() {
-            let r = run(&model, arm);
+            let r = run(&model, arm, dir.path());
             secs[i].push(r.secs);
             seen[i] = (r.preemptions, r.tier_hits);
         }
@@ -163,20 +165,15 @@ fn main() {
             .map(|(x, y)| format!("{:.3}", x / y))
             .collect()
     };
-    println!(
-        "host tier / recompute, time per round: {}",
-        ratios(1, 0).join(" ")
-    );
-    println!(
-        "host tier / recompute, sanitized:      {}",
-        ratios(3, 2).join(" ")
-    );
-    println!(
-        "sanitized / not, recompute:            {}",
-        ratios(2, 0).join(" ")
-    );
-    println!(
-        "sanitized / not, host tier:            {}",
-        ratios(3, 1).join(" ")
-    );
+    for (label, a, b) in [
+        ("host tier / recompute, time per round:", 1, 0),
+        ("disk tier / recompute, time per round:", 2, 0),
+        ("host tier / recompute, sanitized:     ", 4, 3),
+        ("disk tier / recompute, sanitized:     ", 5, 3),
+        ("sanitized / not, recompute:           ", 3, 0),
+        ("sanitized / not, host tier:           ", 4, 1),
+        ("sanitized / not, disk tier:           ", 5, 2),
+    ] {
+        println!("{label} {}", ratios(a, b).join(" "));
+    }
 }

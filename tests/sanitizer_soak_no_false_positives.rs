@@ -94,8 +94,9 @@ fn soak(disaggregated: bool) {
 }
 
 /// `tier`: preempted requests' pages go to a host-memory tier and come
-/// back (the engine's `kv_offload_host_bytes`), every store and load
-/// checked.
+/// back (the engine's `kv_offload_host_bytes`), and the prefix cache's
+/// evicted pages to a disk tier (`kv_offload_dir`), coming back on a hit;
+/// every store and load checked.
 fn soak_under(disaggregated: bool, under: &Under, tier: bool) {
     let model = Arc::new(
         SyntheticSpec {
@@ -118,6 +119,7 @@ fn soak_under(disaggregated: bool, under: &Under, tier: bool) {
             hooks
         }
     };
+    let disk = tempfile::tempdir().expect("a directory for the disk tier");
     let cfg = EngineConfig {
         context: Some(CONTEXT),
         pool_tokens: Some(768),
@@ -133,6 +135,8 @@ fn soak_under(disaggregated: bool, under: &Under, tier: bool) {
         hooks,
         prefix_cache: PrefixCachePolicy::Tenant,
         kv_offload_host_bytes: if tier { 8 << 20 } else { 0 },
+        kv_offload_dir: tier.then(|| disk.path().to_path_buf()),
+        kv_offload_disk_bytes: 8 << 20,
         ..EngineConfig::default()
     };
     let engine = if disaggregated {
@@ -233,14 +237,21 @@ fn soak_under(disaggregated: bool, under: &Under, tier: bool) {
         "the anomaly monitor flags no honest request: {end:?}"
     );
     if tier {
-        let hits = end.front.tier.hits + end.prefill.as_ref().map_or(0, |p| p.tier.hits);
+        let hits = end.front.tiers[0].hits + end.prefill.as_ref().map_or(0, |p| p.tiers[0].hits);
         assert!(
             hits > 0,
             "preempted requests came back from the tier: {end:?}"
         );
-        assert_eq!(
-            end.front.tier.used, 0,
-            "every tier block let go of: {end:?}"
+        for node in std::iter::once(&end.front).chain(end.prefill.as_ref()) {
+            assert_eq!(
+                node.tiers[0].used + node.tiers[1].used,
+                node.cached_tiered,
+                "every preempted request's tier block let go of; the rest are the cache's: {end:?}"
+            );
+        }
+        assert!(
+            cache.tiers[1].stores > 0,
+            "evicted cached pages went to disk: {end:?}"
         );
     }
 }

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+mod metrics_common;
 mod serve_common;
+use metrics_common::Scrape;
 use serve_common::Server;
 use serve_common::client::{BOUND, RawStream};
 
@@ -442,6 +444,21 @@ except openai.AuthenticationError as e:
 print(json.dumps(seen))
 "#;
 
+/// Runs a client `script` against the server at `addr` serving `model`;
+/// the JSON object it printed.
+fn python_client(script: &str, addr: &str, model: &str) -> Value {
+    let out = Command::new("python3")
+        .args(["-c", script, addr, model])
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "the Python client failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the client's JSON")
+}
+
 #[test]
 fn the_openai_python_client_chats_and_completes_streamed_and_not() {
     let has_openai = Command::new("python3")
@@ -456,16 +473,7 @@ fn the_openai_python_client_chats_and_completes_streamed_and_not() {
     let keys = dir.join("keys");
     std::fs::write(&keys, "sk-alpha 1\nsk-beta 2\n").unwrap();
     let (_server, addr, model) = text_server(&["--api-keys", keys.to_str().unwrap()]);
-    let out = Command::new("python3")
-        .args(["-c", PYTHON_CLIENT, &addr, &model])
-        .output()
-        .expect("run python3");
-    assert!(
-        out.status.success(),
-        "the Python client failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let seen: Value = serde_json::from_slice(&out.stdout).expect("the client's JSON");
+    let seen = python_client(PYTHON_CLIENT, &addr, &model);
     assert_eq!(seen["models"], json!([model]));
     assert!(!seen["chat"]["text"].as_str().unwrap().is_empty(), "{seen}");
     let usage = &seen["chat"]["usage"];
@@ -502,6 +510,76 @@ fn the_openai_python_client_chats_and_completes_streamed_and_not() {
     assert!((1..=6).contains(&generated), "{seen}");
     assert_eq!(seen["n2"], 400);
     assert_eq!(seen["wrong_key"], 401);
+}
+
+/// The `openai` package asks one system prompt, then prompts of other
+/// tenants that take the pool, then the first again (`python3` prints what
+/// it saw).
+const PYTHON_TIER_CLIENT: &str = r#"
+import json, sys
+import openai
+addr, model = sys.argv[1], sys.argv[2]
+def client(key):
+    return openai.OpenAI(base_url=f"http://{addr}/v1", api_key=key, max_retries=0)
+def ask(key, system, user):
+    r = client(key).chat.completions.create(
+        model=model, max_tokens=6, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
+    return {"text": r.choices[0].message.content, "prompt": r.usage.prompt_tokens,
+            "cached": r.usage.prompt_tokens_details.cached_tokens}
+system = "You answer in one word. Colours are red, green, blue, yellow and violet. " * 4
+seen = {"first": ask("sk-alpha", system, "Name a colour.")}
+seen["fillers"] = [ask("sk-beta", f"Note {i}: " + "the quick brown fox jumps over the lazy dog. " * 20, "Hi.")
+                   for i in range(3)]
+seen["again"] = ask("sk-alpha", system, "Name a colour.")
+print(json.dumps(seen))
+"#;
+
+/// With a small pool and a disk KV tier, a system prompt's cached pages
+/// are evicted by other tenants' prompts and go to disk; the `openai`
+/// client's repeat of the first chat is served them from there
+/// (`cached_tokens`), with the same answer, and `/metrics` counts the
+/// disk tier's stores and hits.
+#[test]
+fn the_openai_client_is_served_a_cached_prompt_back_from_the_disk_tier() {
+    let dir = tempfile_dir();
+    let keys = dir.join("tier-keys");
+    std::fs::write(&keys, "sk-alpha 1\nsk-beta 2\n").unwrap();
+    let tier_dir = dir.join("kv-tier");
+    std::fs::create_dir_all(&tier_dir).unwrap();
+    let (_server, addr, model) = text_server(&[
+        "--api-keys",
+        keys.to_str().unwrap(),
+        "--pool-tokens",
+        "512",
+        "--allow-pool-smaller-than-context",
+        "--kv-offload-dir",
+        tier_dir.to_str().unwrap(),
+        "--kv-offload-disk-bytes",
+        "67108864",
+    ]);
+    assert_eq!(
+        std::fs::read_dir(&tier_dir).unwrap().count(),
+        1,
+        "the node's tier file"
+    );
+    let seen = python_client(PYTHON_TIER_CLIENT, &addr, &model);
+    assert_eq!(seen["first"]["cached"], 0, "{seen}");
+    let prompt = seen["first"]["prompt"].as_u64().unwrap();
+    let again = seen["again"]["cached"].as_u64().unwrap();
+    assert!(
+        again > 0 && again < prompt && again.is_multiple_of(16),
+        "the repeat is served its full pages: {seen}"
+    );
+    assert_eq!(seen["again"]["text"], seen["first"]["text"], "{seen}");
+    let scrape = Scrape::of(&addr);
+    let disk = [("tier", "disk")];
+    assert!(scrape.value("kvsan:kv_offload_stores_total", &disk) > 0.0);
+    assert!(
+        scrape.value("kvsan:kv_offload_hits_total", &disk) >= (again / 16) as f64,
+        "every page served came from disk"
+    );
+    assert_eq!(scrape.value("kvsan:kv_offload_io_errors_total", &disk), 0.0);
 }
 
 /// A greedy completion's token ids from the server at `addr`.

@@ -54,9 +54,16 @@ pub struct EngineConfig {
     /// prefill), and who may share its pages.
     pub prefix_cache: PrefixCachePolicy,
     /// Bytes of host memory per node where a preempted request's pages go
-    /// and come back from, instead of being recomputed (0: none, the
+    /// and come back from, instead of being recomputed, and where evicted
+    /// prefix-cache pages go when there is no disk tier (0: none, the
     /// default; preemption then recomputes).
     pub kv_offload_host_bytes: usize,
+    /// The directory of each node's disk KV tier file (`None`: no disk
+    /// tier, the default): evicted prefix-cache pages go there, and
+    /// preempted requests' pages when the host tier is full.
+    pub kv_offload_dir: Option<std::path::PathBuf>,
+    /// Bytes of each node's disk tier file.
+    pub kv_offload_disk_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +82,8 @@ impl Default for EngineConfig {
             anomaly: AnomalyAction::default(),
             prefix_cache: PrefixCachePolicy::Off,
             kv_offload_host_bytes: 0,
+            kv_offload_dir: None,
+            kv_offload_disk_bytes: 0,
         }
     }
 }
@@ -123,7 +132,11 @@ impl EngineConfig {
             check: self.check,
             anomaly: self.anomaly,
             prefix_cache,
-            host_tier_bytes: self.kv_offload_host_bytes,
+            tiers: crate::tier::TierConfig {
+                host_bytes: self.kv_offload_host_bytes,
+                disk_dir: self.kv_offload_dir.clone(),
+                disk_bytes: self.kv_offload_disk_bytes,
+            },
         };
         Executor::new(model, pages, role, name, settings)
     }

@@ -40,6 +40,8 @@
 //! | `transfer-replayed-after-commit` | prefill keeps each request's last KV message for a retry and sends it again after the next request's KV (a write whose acknowledgement it never saw, vllm#52234, sglang#24527); decode takes a KV message for a request it no longer holds for a retry of a lost write and copies it where its manifest says — into pages the free list has since handed to the next request, over that request's prompt |
 //! | `tier-load-failed-as-hit` | a preempted request's page read back from the host tier fails and the failure is swallowed (ai-dynamo/dynamo#15079: a failed disk-to-GPU onboard still counted as a hit; dynamo#8057): the load is counted done without its copy, and the request decodes on over the page as the free list left it — another request's KV |
 //! | `tier-store-after-reuse` | a preempted request's pages are freed as soon as their host-tier stores are queued, and the copies are made later, as an asynchronous copy engine makes them (LMCache#4955: a store still reading its source pages when the request was preempted and the pages reused): the next owner's KV is written to the tier under the preempted request's blocks, which it loads back and attends over |
+//! | `tier-two-pages-one-block` | the tier's blocks for a step's stores are counted from its free list as it was when the step began (TensorRT-LLM#8813, fixed by #9056: two device blocks offloaded into the same host block in one step — outputs contained other prompts' tokens): when one allocation evicts several cached pages down a tier, each after the first is stored into the first's block, and a later hit on the first loads the last — another tenant's prompt KV |
+//! | `tier-meta-by-page-id` | the tier files a cached page's block by the pool page it was stored from, a logical id the pool hands out again (TensorRT-LLM#8830: a reused offloaded block took the wrong block's state): once the page is reused and its next owner's cached page goes down the tier too, a hit on the first entry loads the second's block — another tenant's prompt KV |
 //! | `stale-batch-array` | the batch's block-table array is kept from step to step, and a row whose table has as many pages as the row held last step is taken as unchanged: when a request leaves and the next takes its row with as many pages, it stores into and reads the pages of the request that left |
 
 /// A fault this build can inject.
@@ -100,11 +102,15 @@ pub enum Fault {
     /// A preempted request's pages freed before their host-tier copies are
     /// made.
     TierStoreAfterReuse,
+    /// Several stores of one step handed one tier block.
+    TierTwoPagesOneBlock,
+    /// Cached pages' tier blocks filed by the pool page they came from.
+    TierMetaByPageId,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 24] = [
+    pub const ALL: [Fault; 26] = [
         Fault::RejectAsPlaceholder,
         Fault::FreeDuringTransfer,
         Fault::ShortTransfer,
@@ -129,6 +135,8 @@ impl Fault {
         Fault::TransferReplayedAfterCommit,
         Fault::TierLoadFailedAsHit,
         Fault::TierStoreAfterReuse,
+        Fault::TierTwoPagesOneBlock,
+        Fault::TierMetaByPageId,
     ];
 
     /// The stable name (`KVSAN_FAULTS`, `--inject`).
@@ -159,6 +167,8 @@ impl Fault {
             Fault::TransferReplayedAfterCommit => "transfer-replayed-after-commit",
             Fault::TierLoadFailedAsHit => "tier-load-failed-as-hit",
             Fault::TierStoreAfterReuse => "tier-store-after-reuse",
+            Fault::TierTwoPagesOneBlock => "tier-two-pages-one-block",
+            Fault::TierMetaByPageId => "tier-meta-by-page-id",
         }
     }
 

@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::str::FromStr;
 
-use kvsan_sanitizer::{Owner, PageId, PageRef, RequestId, TenantId};
+use kvsan_sanitizer::{Owner, PageId, PageRef, RequestId, TenantId, TierBlockId};
 
 use crate::request::CacheSalt;
 
@@ -149,32 +149,57 @@ pub fn holder(tenant: TenantId) -> Owner {
     }
 }
 
+/// Where a cached page's KV is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// In the pool, at this page.
+    Pool(PageRef),
+    /// In a tier block, stored from the pool page `from` (fault
+    /// `tier-meta-by-page-id` files it by that page).
+    Tier {
+        /// The block.
+        block: TierBlockId,
+        /// The page it was stored from.
+        from: PageId,
+    },
+}
+
 #[derive(Debug)]
 struct Entry {
     hash: u64,
-    page: PageRef,
-    /// The page before it in the writer's sequence (`None`: the first).
-    parent: Option<PageRef>,
+    place: Place,
+    /// The entry before it in the writer's sequence (`None`: the first).
+    parent: Option<u64>,
     tokens: Box<[u32]>,
     /// The keys (first page only).
     keys: Box<[u8]>,
     /// The cache's holder identity (the writer's tenant).
     holder: Owner,
-    /// Its place in the LRU while only the cache holds the page.
+    /// Its place in the LRU while only the cache holds the page (in the
+    /// pool), or in the tier LRU (in a tier).
     lru: Option<u64>,
     /// Order of registration (fault `cache-evict-referenced` evicts by it).
     born: u64,
+    /// Being loaded from its tier: not to be let go of.
+    pinned: bool,
 }
 
 /// One node's prefix cache. It keeps the entries; the node keeps the pages'
-/// holder counts and calls the hooks.
+/// holder counts, the tier blocks and calls the hooks.
+///
+/// An entry has a serial number for its life, through every move between
+/// the pool and a tier: the chain links are serials, so a page that comes
+/// back from a tier into another pool page is still its children's parent,
+/// and a page of the pool that is re-used is not.
 #[derive(Debug)]
 pub struct PrefixCache {
     policy: PrefixCachePolicy,
     page_slots: usize,
-    by_hash: HashMap<u64, PageId>,
-    entries: HashMap<PageId, Entry>,
-    lru: BTreeMap<u64, PageId>,
+    by_hash: HashMap<u64, u64>,
+    by_page: HashMap<PageId, u64>,
+    entries: HashMap<u64, Entry>,
+    lru: BTreeMap<u64, u64>,
+    tier_lru: BTreeMap<u64, u64>,
     tick: u64,
     /// Prompt tokens looked up (vLLM's `prefix_cache_queries`).
     pub queries: u64,
@@ -182,16 +207,42 @@ pub struct PrefixCache {
     pub hits: u64,
 }
 
-/// A page the lookup found: the page and its chain hash.
+/// A cached page the lookup found: the entry, where its KV is, its chain
+/// hash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hit {
-    /// The cached page.
-    pub page: PageRef,
+    /// The entry's serial.
+    pub serial: u64,
+    /// Where its KV is.
+    pub place: Place,
     /// Its chain hash.
     pub hash: u64,
     /// Token slots of it the sharer uses (a full page, except under fault
     /// `cache-partial-page-shared`).
     pub tokens: usize,
+}
+
+impl Hit {
+    /// The pool page, when the KV is in the pool.
+    #[must_use]
+    pub fn page(&self) -> Option<PageRef> {
+        match self.place {
+            Place::Pool(p) => Some(p),
+            Place::Tier { .. } => None,
+        }
+    }
+}
+
+/// A cached page evicted from the pool: the node stores it down a tier
+/// ([`PrefixCache::demoted`]) or lets it go ([`PrefixCache::forget`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    /// The entry.
+    pub serial: u64,
+    /// The page it held.
+    pub page: PageRef,
+    /// The cache's holder identity of it.
+    pub holder: Owner,
 }
 
 impl PrefixCache {
@@ -202,8 +253,10 @@ impl PrefixCache {
             policy,
             page_slots,
             by_hash: HashMap::new(),
+            by_page: HashMap::new(),
             entries: HashMap::new(),
             lru: BTreeMap::new(),
+            tier_lru: BTreeMap::new(),
             tick: 0,
             queries: 0,
             hits: 0,
@@ -222,16 +275,22 @@ impl PrefixCache {
         self.policy != PrefixCachePolicy::Off
     }
 
-    /// Pages the cache holds.
+    /// Pool pages the cache holds.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.by_page.len()
     }
 
-    /// Whether the cache holds no page.
+    /// Whether the cache holds no pool page.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.by_page.is_empty()
+    }
+
+    /// Cached pages whose KV is in a tier.
+    #[must_use]
+    pub fn tiered(&self) -> usize {
+        self.entries.len() - self.by_page.len()
     }
 
     /// Pages only the cache holds (evictable now). Under fault
@@ -241,29 +300,40 @@ impl PrefixCache {
         faults::evictable_referenced(self, self.lru.len())
     }
 
+    fn at_page(&self, page: PageRef) -> Option<(u64, &Entry)> {
+        let serial = *self.by_page.get(&page.page)?;
+        let e = self.entries.get(&serial)?;
+        (e.place == Place::Pool(page)).then_some((serial, e))
+    }
+
     /// Whether `page` is a cached page at that generation.
     #[must_use]
     pub fn holds(&self, page: PageRef) -> bool {
-        self.entries.get(&page.page).is_some_and(|e| e.page == page)
+        self.at_page(page).is_some()
     }
 
     /// The chain hash of cached `page`, if it is one.
     #[must_use]
     pub fn hash_of(&self, page: PageRef) -> Option<u64> {
-        self.entries
-            .get(&page.page)
-            .filter(|e| e.page == page)
-            .map(|e| e.hash)
+        self.at_page(page).map(|(_, e)| e.hash)
     }
 
-    /// The longest chain of cached pages that `tokens` (with `keys`)
-    /// begins with, leaving at least one token to compute (the one whose
-    /// logits come next). Counts the query.
+    /// The longest chain of cached pages, in the pool or a tier, that
+    /// `tokens` (with `keys`) begins with, leaving at least one token to
+    /// compute (the one whose logits come next). Counts the query.
     #[must_use]
     pub fn lookup(&mut self, keys: &[u8], tokens: &[u32]) -> Vec<Hit> {
+        let hits = self.peek(keys, tokens);
+        self.queries += tokens.len() as u64;
+        self.hits += hits.iter().map(|h| h.tokens as u64).sum::<u64>();
+        hits
+    }
+
+    /// [`PrefixCache::lookup`] without counting it.
+    #[must_use]
+    pub fn peek(&self, keys: &[u8], tokens: &[u32]) -> Vec<Hit> {
         let ps = self.page_slots;
         let usable = tokens.len().saturating_sub(1);
-        self.queries += tokens.len() as u64;
         let mut hits: Vec<Hit> = Vec::new();
         for i in 0..usable / ps {
             let page_tokens = &tokens[i * ps..(i + 1) * ps];
@@ -273,7 +343,6 @@ impl PrefixCache {
             }
         }
         faults::cache_partial_page_shared(self, keys, tokens, usable, &mut hits);
-        self.hits += hits.iter().map(|h| h.tokens as u64).sum::<u64>();
         hits
     }
 
@@ -281,13 +350,14 @@ impl PrefixCache {
     fn find(&self, parent: Option<&Hit>, keys: &[u8], page_tokens: &[u32]) -> Option<Hit> {
         let keys_here: &[u8] = if parent.is_none() { keys } else { &[] };
         let hash = page_hash(parent.map(|p| p.hash), keys_here, page_tokens);
-        let page = self.by_hash.get(&hash)?;
-        let e = self.entries.get(page)?;
+        let serial = *self.by_hash.get(&hash)?;
+        let e = self.entries.get(&serial)?;
         let same = e.tokens.as_ref() == page_tokens
             && e.keys.as_ref() == keys_here
-            && e.parent == parent.map(|p| p.page);
+            && e.parent == parent.map(|p| p.serial);
         same.then_some(Hit {
-            page: e.page,
+            serial,
+            place: e.place,
             hash,
             tokens: page_tokens.len(),
         })
@@ -300,9 +370,9 @@ impl PrefixCache {
     }
 
     /// Registers `page` (written by a request of `tenant`) under `hash`,
-    /// holding `tokens` after `parent`. The caller has counted the cache as
-    /// a holder of the page. False (nothing changes) if the hash or the
-    /// page is cached already.
+    /// holding `tokens` after the cached page `parent`. The caller has
+    /// counted the cache as a holder of the page. False (nothing changes)
+    /// if the hash or the page is cached already, or `parent` is not.
     pub fn insert(
         &mut self,
         hash: u64,
@@ -312,16 +382,25 @@ impl PrefixCache {
         tokens: &[u32],
         tenant: TenantId,
     ) -> bool {
-        if self.by_hash.contains_key(&hash) || self.entries.contains_key(&page.page) {
+        if self.by_hash.contains_key(&hash) || self.by_page.contains_key(&page.page) {
             return false;
         }
+        let parent = match parent {
+            Some(p) => match self.at_page(p) {
+                Some((serial, _)) => Some(serial),
+                None => return false,
+            },
+            None => None,
+        };
         self.tick += 1;
-        self.by_hash.insert(hash, page.page);
+        let serial = self.tick;
+        self.by_hash.insert(hash, serial);
+        self.by_page.insert(page.page, serial);
         self.entries.insert(
-            page.page,
+            serial,
             Entry {
                 hash,
-                page,
+                place: Place::Pool(page),
                 parent,
                 tokens: tokens.into(),
                 keys: if parent.is_none() {
@@ -331,7 +410,8 @@ impl PrefixCache {
                 },
                 holder: holder(tenant),
                 lru: None,
-                born: self.tick,
+                born: serial,
+                pinned: false,
             },
         );
         true
@@ -340,51 +420,145 @@ impl PrefixCache {
     /// The cache's holder identity of cached `page`.
     #[must_use]
     pub fn holder_of(&self, page: PageRef) -> Option<Owner> {
-        self.entries
-            .get(&page.page)
-            .filter(|e| e.page == page)
-            .map(|e| e.holder)
+        self.at_page(page).map(|(_, e)| e.holder)
+    }
+
+    /// The cache's holder identity of entry `serial`.
+    #[must_use]
+    pub fn holder_of_entry(&self, serial: u64) -> Option<Owner> {
+        self.entries.get(&serial).map(|e| e.holder)
     }
 
     /// `page` is now held by the cache alone: it joins the LRU.
     pub fn unreferenced(&mut self, page: PageRef) {
         self.tick += 1;
         let tick = self.tick;
-        if let Some(e) = self.entries.get_mut(&page.page).filter(|e| e.page == page) {
+        let Some((serial, _)) = self.at_page(page) else {
+            return;
+        };
+        if let Some(e) = self.entries.get_mut(&serial) {
             if let Some(old) = e.lru.replace(tick) {
                 self.lru.remove(&old);
             }
-            self.lru.insert(tick, page.page);
+            self.lru.insert(tick, serial);
         }
     }
 
     /// `page` is held by a request again: it leaves the LRU.
     pub fn referenced(&mut self, page: PageRef) {
-        if let Some(e) = self.entries.get_mut(&page.page).filter(|e| e.page == page)
+        let Some((serial, _)) = self.at_page(page) else {
+            return;
+        };
+        if let Some(e) = self.entries.get_mut(&serial)
             && let Some(old) = e.lru.take()
         {
             self.lru.remove(&old);
         }
     }
 
-    /// Removes the least recently used page only the cache holds, returning
-    /// it and the cache's holder identity; the caller lets go of the
-    /// cache's reference.
+    /// Takes the least recently used page only the cache holds out of the
+    /// pool; the caller lets go of the cache's reference and either stores
+    /// the page down a tier ([`PrefixCache::demoted`]) or forgets the entry
+    /// ([`PrefixCache::forget`]).
     ///
     /// Fault `cache-evict-referenced`: when no page is unreferenced, the
     /// oldest registered page is taken anyway — the eviction ignores who
     /// else holds it.
-    pub fn evict(&mut self) -> Option<(PageRef, Owner)> {
-        let page = match self.lru.pop_first() {
-            Some((_, page)) => page,
+    pub fn evict(&mut self) -> Option<Evicted> {
+        let serial = match self.lru.pop_first() {
+            Some((_, serial)) => serial,
             None => faults::evict_referenced(self)?,
         };
-        let e = self.entries.remove(&page)?;
-        if let Some(tick) = e.lru {
+        let e = self.entries.get_mut(&serial)?;
+        if let Some(tick) = e.lru.take() {
             self.lru.remove(&tick);
         }
-        self.by_hash.remove(&e.hash);
-        Some((e.page, e.holder))
+        let Place::Pool(page) = e.place else {
+            return None;
+        };
+        self.by_page.remove(&page.page);
+        Some(Evicted {
+            serial,
+            page,
+            holder: e.holder,
+        })
+    }
+
+    /// The evicted entry `serial`'s KV is now in tier block `block`,
+    /// stored from page `from`.
+    pub fn demoted(&mut self, serial: u64, block: TierBlockId, from: PageId) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(e) = self.entries.get_mut(&serial) {
+            e.place = Place::Tier { block, from };
+            e.lru = Some(tick);
+            self.tier_lru.insert(tick, serial);
+        }
+    }
+
+    /// Entry `serial` is gone (its page evicted and not stored, or its
+    /// tier block let go of): its hash misses from now on, and the
+    /// entries after it are unreachable until evicted in turn. Returns
+    /// its tier block, if it had one.
+    pub fn forget(&mut self, serial: u64) -> Option<TierBlockId> {
+        let e = self.entries.remove(&serial)?;
+        if self.by_hash.get(&e.hash) == Some(&serial) {
+            self.by_hash.remove(&e.hash);
+        }
+        match e.place {
+            Place::Pool(page) => {
+                if self.by_page.get(&page.page) == Some(&serial) {
+                    self.by_page.remove(&page.page);
+                }
+                if let Some(t) = e.lru {
+                    self.lru.remove(&t);
+                }
+                None
+            }
+            Place::Tier { block, .. } => {
+                if let Some(t) = e.lru {
+                    self.tier_lru.remove(&t);
+                }
+                Some(block)
+            }
+        }
+    }
+
+    /// The least recently stored entry of tier `tier` not being loaded.
+    #[must_use]
+    pub fn oldest_in_tier(&self, tier: u32) -> Option<u64> {
+        self.tier_lru.values().copied().find(|s| {
+            self.entries.get(s).is_some_and(|e| {
+                !e.pinned && matches!(e.place, Place::Tier { block, .. } if block.tier == tier)
+            })
+        })
+    }
+
+    /// Entry `serial` is being loaded from its tier (`true`) or no longer
+    /// is: a pinned entry is not let go of to make room.
+    pub fn pin(&mut self, serial: u64, pinned: bool) {
+        if let Some(e) = self.entries.get_mut(&serial) {
+            e.pinned = pinned;
+        }
+    }
+
+    /// Entry `serial`, loaded from its tier into `page` (held by the
+    /// request that loaded it and by the cache), is in the pool again.
+    /// False (nothing changes) if the entry is gone or `page` is cached.
+    pub fn promoted(&mut self, serial: u64, page: PageRef) -> bool {
+        if self.by_page.contains_key(&page.page) {
+            return false;
+        }
+        let Some(e) = self.entries.get_mut(&serial) else {
+            return false;
+        };
+        if let Some(t) = e.lru.take() {
+            self.tier_lru.remove(&t);
+        }
+        e.place = Place::Pool(page);
+        e.pinned = false;
+        self.by_page.insert(page.page, serial);
+        true
     }
 }
 
@@ -420,7 +594,7 @@ mod tests {
         let hits = c.lookup(b"k", &tokens);
         // 12 tokens: two full pages usable (the third's last token is computed).
         assert_eq!(
-            hits.iter().map(|h| h.page).collect::<Vec<_>>(),
+            hits.iter().map(|h| h.page().unwrap()).collect::<Vec<_>>(),
             [pr(5, 1), pr(9, 1)]
         );
         let longer: Vec<u32> = (0..13).collect();
@@ -457,11 +631,10 @@ mod tests {
         fill(&mut c, &[], &tokens, &[pr(1, 1), pr(2, 1)]);
         // Page 1 evicted and its slot re-registered at a new generation: the
         // old second page's parent is not it.
-        let (gone, _) = {
-            c.unreferenced(pr(1, 1));
-            c.evict().expect("evictable")
-        };
-        assert_eq!(gone, pr(1, 1));
+        c.unreferenced(pr(1, 1));
+        let gone = c.evict().expect("evictable");
+        assert_eq!(gone.page, pr(1, 1));
+        c.forget(gone.serial);
         let h0 = page_hash(None, &[], &tokens[..4]);
         assert!(c.insert(h0, pr(1, 2), None, &[], &tokens[..4], TenantId(1)));
         assert_eq!(c.lookup(&[], &tokens).len(), 1);
@@ -522,7 +695,7 @@ mod tests {
         c.unreferenced(pr(1, 1));
         c.referenced(pr(3, 1));
         assert_eq!(c.evictable(), 1);
-        assert_eq!(c.evict().map(|e| e.0), Some(pr(1, 1)));
+        assert_eq!(c.evict().map(|e| e.page), Some(pr(1, 1)));
         assert_eq!(c.evict(), None);
         assert_eq!(c.len(), 2);
     }

@@ -696,6 +696,67 @@ impl Scenario {
                     probe_preempted_by_the_victim(engine, seed)
                 },
             },
+            Fault::TierTwoPagesOneBlock => Scenario {
+                fault,
+                expected: ViolationKind::TierBlockAliased,
+                culprit: Culprit::Cache,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| caching_down_the_host_tier(cfg, TTP_POOL_PAGES),
+                drive: |engine, seed| {
+                    // The probe's tenant's first request H leaves one
+                    // cached prompt page, the victim two; with the pages
+                    // they let go of, the pool is full. The filler's prompt
+                    // needs the whole pool: one allocation evicts the three
+                    // cached pages, H's first, in one step, each down the
+                    // host tier. Under the fault all three are stored into
+                    // H's block, which ends up holding the victim's first
+                    // page; the probe, with H's prompt, hits H's page in
+                    // the tier and loads the victim's KV. With the
+                    // sanitizer each store after the first into the block
+                    // is refused (reported against the cache, whose stores
+                    // they are) and the victim's pages are dropped: the
+                    // probe loads H's page as a correct engine serves it.
+                    let h = engine.submit(probe(TTP_PROBE, 1)).wait();
+                    let v = engine.submit(victim(seed, TTP_VICTIM, 1)).wait();
+                    let filler = engine.submit(filler(TTP_POOL_PAGES * 16)).wait();
+                    let p = engine.submit(probe(TTP_PROBE, 1)).wait();
+                    drop((h, filler));
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
+            Fault::TierMetaByPageId => Scenario {
+                fault,
+                expected: ViolationKind::TierForeignLoad,
+                culprit: Culprit::Probe,
+                kernel_check: None,
+                victim_end: VictimEnd::Finishes,
+                topology: Topology::Unified,
+                configure: |cfg| caching_down_the_host_tier(cfg, TMP_POOL_PAGES),
+                drive: |engine, seed| {
+                    // A pool of three pages. H (the probe's tenant) leaves
+                    // three cached pages; the victim's allocation evicts
+                    // them down the host tier, H's last first, so the
+                    // victim's last page is the page H's first came from;
+                    // the filler's evicts the victim's pages down the tier
+                    // in turn, its last first. Under the fault the tier files blocks by
+                    // the pool page they came from: the probe, with H's
+                    // prompt, hits H's first page in the tier and is handed
+                    // the block filed last under its page, the victim's
+                    // second page's KV. With the sanitizer that block's
+                    // load by another tenant is refused and the probe is
+                    // aborted.
+                    let h = engine.submit(probe(TMP_PROMPT, 1)).wait();
+                    let v = engine.submit(victim(seed, TMP_PROMPT, 1)).wait();
+                    let filler = engine.submit(filler(TMP_PROMPT as usize)).wait();
+                    let p = engine.submit(probe(TMP_PROMPT, 1)).wait();
+                    drop((h, filler));
+                    let bystander = engine.submit(bystander());
+                    finish(v, p, &bystander)
+                },
+            },
             Fault::TierStoreAfterReuse => Scenario {
                 fault,
                 expected: ViolationKind::TierStoreSourceReused,
@@ -989,6 +1050,36 @@ fn preempting_to_the_host_tier(cfg: &mut EngineConfig) {
     cfg.allow_pool_smaller_than_context = true;
     cfg.kv_offload_host_bytes = 16 << 20;
 }
+
+/// A pool of `pages` pages of 16 slots whose prefix cache (per tenant)
+/// sends evicted pages down a host tier.
+fn caching_down_the_host_tier(cfg: &mut EngineConfig, pages: usize) {
+    cfg.page_slots = 16;
+    cfg.pool_tokens = Some(pages * 16);
+    cfg.allow_pool_smaller_than_context = true;
+    cfg.prefix_cache = PrefixCachePolicy::Tenant;
+    cfg.kv_offload_host_bytes = 16 << 20;
+}
+
+/// The bystander's tenant's request of `len` prompt tokens, the same in
+/// every run: it takes the pool's pages.
+fn filler(len: usize) -> Request {
+    let prompt = (0..len as u32).map(|i| (i * 11 + 3) % 256).collect();
+    request(BYSTANDER_TENANT, prompt, 1)
+}
+
+/// `tier-two-pages-one-block`: pages of the pool, H's two and the
+/// victim's two.
+const TTP_POOL_PAGES: usize = 4;
+/// `tier-two-pages-one-block`: H's and the probe's prompt, one full page
+/// and a token.
+const TTP_PROBE: u32 = 17;
+/// `tier-two-pages-one-block`: the victim's prompt, two full pages.
+const TTP_VICTIM: u32 = 32;
+/// `tier-meta-by-page-id`: pages of the pool.
+const TMP_POOL_PAGES: usize = 3;
+/// `tier-meta-by-page-id`: every prompt, the whole pool.
+const TMP_PROMPT: u32 = 48;
 
 /// The probe is admitted first; the victim's prompt fills the rest of the
 /// pool, so its first decode step needs a page and preempts the probe to

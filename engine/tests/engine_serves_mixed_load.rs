@@ -178,16 +178,18 @@ fn a_pool_of_a_few_pages_forces_preemption_and_every_request_finishes() {
     }
 }
 
-/// The same small pools with a host tier: a preempted request's pages go
-/// to host memory and come back when it is admitted again, instead of
-/// being recomputed — each output equal to the request run alone, every
-/// page and tier block returned, and the sanitizer (attached, the checked
-/// kernel on) finding nothing in the stores, loads and reads.
+/// The same small pools with a KV tier: a preempted request's pages go to
+/// host memory (or to the disk tier's file, in a run without a host tier)
+/// and come back when it is admitted again, instead of being recomputed —
+/// each output equal to the request run alone, every page and tier block
+/// returned, and the sanitizer (attached, the checked kernel on) finding
+/// nothing in the stores, loads and reads.
 #[test]
-fn preempted_requests_come_back_from_the_host_tier_as_they_would_have_answered() {
+fn preempted_requests_come_back_from_a_tier_as_they_would_have_answered() {
     let model = model(4096);
     let (requests, expected) = preempting_load(&model);
-    for disaggregated in [false, true] {
+    let dir = tempfile::tempdir().expect("a directory for the disk tier");
+    for (disaggregated, disk) in [(false, false), (true, false), (false, true)] {
         let sanitizer = Arc::new(Sanitizer::with_writer(
             Options::default(),
             ReportBuffer::default(),
@@ -195,13 +197,15 @@ fn preempted_requests_come_back_from_the_host_tier_as_they_would_have_answered()
         let cfg = EngineConfig {
             check: AttentionCheck::Generations,
             hooks: Hooks::sanitizer(sanitizer.clone()),
-            kv_offload_host_bytes: 64 << 20,
+            kv_offload_host_bytes: if disk { 0 } else { 64 << 20 },
+            kv_offload_dir: disk.then(|| dir.path().to_path_buf()),
+            kv_offload_disk_bytes: 64 << 20,
             ..small_pools()
         };
         let engine = engine(&model, &cfg, disaggregated);
         let outputs = run_load(&engine, &requests, 12);
         let stats = engine.stats();
-        let tier = stats.front.tier;
+        let tier = stats.front.tiers[usize::from(disk)];
         assert!(
             stats.front.preemptions > 0,
             "the pool was meant to force preemption"
@@ -211,6 +215,7 @@ fn preempted_requests_come_back_from_the_host_tier_as_they_would_have_answered()
             "preempted requests came back from the tier: {tier:?}"
         );
         assert_eq!(tier.used, 0, "every tier block let go of");
+        assert_eq!(tier.io_errors, 0);
         assert_eq!(stats.front.free_pages, stats.front.total_pages);
         assert_eq!(sanitizer.violation_count(), 0, "{}", sanitizer.summary());
         assert_eq!(

@@ -281,6 +281,8 @@ fault_tests! {
     transfer_replayed_after_commit => Fault::TransferReplayedAfterCommit,
     tier_load_failed_as_hit => Fault::TierLoadFailedAsHit,
     tier_store_after_reuse => Fault::TierStoreAfterReuse,
+    tier_two_pages_one_block => Fault::TierTwoPagesOneBlock,
+    tier_meta_by_page_id => Fault::TierMetaByPageId,
 }
 
 macro_rules! kernel_check_tests {

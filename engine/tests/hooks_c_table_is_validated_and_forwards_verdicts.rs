@@ -908,6 +908,9 @@ fn a_tier_store_the_library_refuses_ends_the_preempted_request_and_the_others_fi
         );
     }
     assert!(outcomes.iter().any(Result::is_ok), "the others finish");
-    assert_eq!((stats.front.tier.stores, stats.front.tier.used), (0, 0));
+    assert_eq!(
+        (stats.front.tiers[0].stores, stats.front.tiers[0].used),
+        (0, 0)
+    );
     assert_eq!(stats.front.free_pages, stats.front.total_pages);
 }

@@ -37,6 +37,18 @@ fn engine(
     prefix_share: &str,
     pool: usize,
 ) -> (Engine, Arc<Sanitizer>, ReportBuffer) {
+    engine_with_tiers(disaggregated, policy, prefix_share, pool, None)
+}
+
+/// [`engine`] whose nodes send evicted cached pages down a disk tier in
+/// `disk` (and preempted requests' pages to a small host tier).
+fn engine_with_tiers(
+    disaggregated: bool,
+    policy: PrefixCachePolicy,
+    prefix_share: &str,
+    pool: usize,
+    disk: Option<&std::path::Path>,
+) -> (Engine, Arc<Sanitizer>, ReportBuffer) {
     let options = Options::parse(&format!(
         "quarantine_pages=4:poison=1:prefix_share={prefix_share}"
     ))
@@ -56,6 +68,9 @@ fn engine(
         check: AttentionCheck::Generations,
         hooks: Hooks::sanitizer(sanitizer.clone()),
         prefix_cache: policy,
+        kv_offload_host_bytes: if disk.is_some() { 1 << 20 } else { 0 },
+        kv_offload_dir: disk.map(std::path::Path::to_path_buf),
+        kv_offload_disk_bytes: 8 << 20,
         ..EngineConfig::default()
     };
     let engine = if disaggregated {
@@ -202,7 +217,7 @@ fn global_policy_shares_across_tenants() {
 /// recomputed (finding their own pages in the cache), four tenants with
 /// two system prompts each, all at once — every answer as without the
 /// cache, zero violations, every page back in the pool or the cache.
-fn mixed_load(disaggregated: bool) {
+fn mixed_load(disaggregated: bool, tiers: bool) {
     let mut rng = ChaCha8Rng::seed_from_u64(if disaggregated { 22 } else { 21 });
     let systems: Vec<Vec<u32>> = (0..2)
         .map(|w| system(w + 10, 40 + 30 * w as usize))
@@ -219,7 +234,15 @@ fn mixed_load(disaggregated: bool) {
         .collect();
     let (plain, ..) = engine(disaggregated, PrefixCachePolicy::Off, "tenant", 1024);
     let expected = serve_one_by_one(&plain, &requests);
-    let (cached, sanitizer, sink) = engine(disaggregated, PrefixCachePolicy::Tenant, "tenant", 384);
+    let dir = tempfile::tempdir().expect("a directory for the disk tier");
+    let disk = tiers.then(|| dir.path());
+    let (cached, sanitizer, sink) = engine_with_tiers(
+        disaggregated,
+        PrefixCachePolicy::Tenant,
+        "tenant",
+        384,
+        disk,
+    );
     let start = cached.stats();
     let handles: Vec<_> = requests.iter().map(|r| cached.submit(r.clone())).collect();
     for (i, (h, e)) in handles.iter().zip(&expected).enumerate() {
@@ -235,14 +258,86 @@ fn mixed_load(disaggregated: bool) {
     assert!(e.prefix_cache_hits > 0, "the cache is used");
     assert_eq!(e.free_pages + e.cached_pages, s.free_pages);
     assert_eq!(end.front.illegal_transitions, 0);
+    if tiers {
+        let disk = e.tiers[1];
+        assert!(
+            disk.stores > 0 && disk.hits > 0,
+            "the disk tier is used: {disk:?}"
+        );
+        assert_eq!(disk.used, e.cached_tiered, "tier blocks are the cache's");
+        assert_eq!(disk.io_errors, 0);
+    }
 }
 
 #[test]
 fn unified_cache_under_pool_pressure_answers_as_without_it() {
-    mixed_load(false);
+    mixed_load(false, false);
 }
 
 #[test]
 fn disaggregated_cache_under_pool_pressure_answers_as_without_it() {
-    mixed_load(true);
+    mixed_load(true, false);
+}
+
+#[test]
+fn unified_cache_with_tiers_under_pool_pressure_answers_as_without_it() {
+    mixed_load(false, true);
+}
+
+#[test]
+fn disaggregated_cache_with_tiers_under_pool_pressure_answers_as_without_it() {
+    mixed_load(true, true);
+}
+
+/// A system prompt's cached pages, evicted from the pool by other
+/// tenants' prompts, go down the disk tier; the next request of the
+/// tenant with that prompt is served them from disk (`cached_tokens`), and
+/// answers as without any cache; another tenant with the same prompt gets
+/// nothing from the tier.
+fn served_from_disk_after_eviction(disaggregated: bool) {
+    let sys = system(7, 100);
+    let requests: Vec<Request> = [
+        request(1, with_user(&sys, 1), 6),
+        request(3, with_user(&system(8, 200), 1), 6),
+        request(3, with_user(&system(9, 200), 1), 6),
+        request(1, with_user(&sys, 2), 6),
+        request(2, with_user(&sys, 3), 6),
+    ]
+    .into();
+    let (plain, ..) = engine(disaggregated, PrefixCachePolicy::Off, "tenant", 1024);
+    let expected = serve_one_by_one(&plain, &requests);
+    let dir = tempfile::tempdir().expect("a directory for the disk tier");
+    let (cached, sanitizer, sink) = engine_with_tiers(
+        disaggregated,
+        PrefixCachePolicy::Tenant,
+        "tenant",
+        256,
+        Some(dir.path()),
+    );
+    let got = serve_one_by_one(&cached, &requests);
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.tokens, e.tokens, "request {i} answers as without a cache");
+    }
+    let cached_tokens: Vec<usize> = got.iter().map(|o| o.cached_tokens).collect();
+    // 100 system tokens: 6 full pages, all six back from disk.
+    assert_eq!(cached_tokens, [0, 0, 0, 96, 0], "{cached_tokens:?}");
+    assert_clean(&sanitizer, &sink);
+    let stats = cached.stats();
+    let node = stats.prefill.unwrap_or(stats.front);
+    let disk = node.tiers[1];
+    assert!(
+        disk.stores >= 6 && disk.loads >= 6 && disk.hits >= 6,
+        "{disk:?}"
+    );
+    assert_eq!(node.tiers[0].stores, 0, "cached pages go to disk first");
+}
+
+#[test]
+fn unified_cache_serves_evicted_pages_from_disk() {
+    served_from_disk_after_eviction(false);
+}
+
+#[test]
+fn disaggregated_prefill_cache_serves_evicted_pages_from_disk() {
+    served_from_disk_after_eviction(true);
 }

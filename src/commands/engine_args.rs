@@ -73,6 +73,15 @@ pub struct EngineArgs {
     /// checks each store and load.
     #[arg(long, value_name = "BYTES", default_value_t = 0)]
     pub kv_offload_host_bytes: usize,
+    /// A directory for each node's disk KV tier (one file per node, removed
+    /// when it stops): the prefix cache's evicted pages go there and come
+    /// back on a hit, and preempted requests' pages when the host tier is
+    /// full. Needs --kv-offload-disk-bytes.
+    #[arg(long, value_name = "DIR", requires = "kv_offload_disk_bytes")]
+    pub kv_offload_dir: Option<std::path::PathBuf>,
+    /// Bytes of each node's disk KV tier file (whole pages).
+    #[arg(long, value_name = "BYTES", requires = "kv_offload_dir")]
+    pub kv_offload_disk_bytes: Option<usize>,
 }
 
 /// The policy without `--prefix-cache`.
@@ -142,6 +151,8 @@ impl EngineArgs {
             },
             prefix_cache,
             kv_offload_host_bytes: self.kv_offload_host_bytes,
+            kv_offload_dir: self.kv_offload_dir.clone(),
+            kv_offload_disk_bytes: self.kv_offload_disk_bytes.unwrap_or(0),
         })
     }
 

@@ -1051,7 +1051,7 @@ mod tests {
             check: AttentionCheck::Unchecked,
             anomaly: crate::anomaly::AnomalyAction::Abort,
             prefix_cache: crate::prefix_cache::PrefixCachePolicy::Off,
-            host_tier_bytes: 0,
+            tiers: crate::tier::TierConfig::default(),
         };
         let core = Executor::new(
             model.clone(),

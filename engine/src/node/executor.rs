@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId, TierBlockId};
+use kvsan_sanitizer::{NodeRole, Owner, PageRef, PoolGeometry, PoolId};
 
 use crate::anomaly::{AnomalyCounts, FirstToken, Monitor};
 use crate::hooks::{Hooks, KernelShadowHandle};
@@ -14,12 +14,13 @@ use crate::kv_pool::KvPool;
 use crate::model::{AttentionCheck, Logits, Model};
 use crate::node::batch::{BatchBuilder, PlannedRow};
 use crate::node::lifecycle::Lifecycle;
-use crate::node::sequence::{Offloaded, Sequence};
-use crate::prefix_cache::{self, PrefixCache, PrefixCachePolicy};
+use crate::node::sequence::Sequence;
+use crate::prefix_cache::{self, Place, PrefixCache, PrefixCachePolicy};
 use crate::request::{ErrorKind, RequestError, Violated};
-use crate::tier::{self, HOST_TIER, HostTier, TierStats};
+use crate::tier::{TierConfig, TierStats, Tiers};
 
 mod faults;
+mod tiering;
 
 pub(crate) use faults::complete_late_stores;
 
@@ -55,8 +56,10 @@ pub struct NodeStats {
     pub prefix_cache_hits: u64,
     /// Pages the prefix cache holds now.
     pub cached_pages: usize,
-    /// The host-memory KV tier (all zero without one).
-    pub tier: TierStats,
+    /// Prefix-cache pages whose KV is in a tier now.
+    pub cached_tiered: usize,
+    /// The KV tiers, host and disk (all zero for one not configured).
+    pub tiers: [TierStats; 2],
 }
 
 /// How a node is set up: the engine configuration's part that every node
@@ -73,9 +76,8 @@ pub(crate) struct NodeSettings {
     pub anomaly: crate::anomaly::AnomalyAction,
     /// The node's prefix cache.
     pub prefix_cache: PrefixCachePolicy,
-    /// Bytes of host memory a preempted request's pages may go to instead
-    /// of being recomputed (0: none).
-    pub host_tier_bytes: usize,
+    /// The KV tiers below the pool.
+    pub tiers: TierConfig,
 }
 
 /// A sequence's share of one step: `n` new tokens from `computed`.
@@ -123,10 +125,10 @@ pub(crate) struct Executor {
     /// page goes back to the pool at 0.
     holders: Vec<u32>,
     batch: BatchBuilder,
-    /// Where preempted requests' pages go, if anywhere.
-    tier: Option<HostTier>,
-    /// Host-tier copies a fail point makes late (none without it).
-    late_stores: faults::LateStores,
+    /// Where preempted requests' and evicted cached pages go, if anywhere.
+    tiers: Option<Tiers>,
+    /// The tier fail points' state (empty without them).
+    tier_faults: faults::TierFaults,
 }
 
 /// The client-facing error for a row the step's kernels stopped.
@@ -192,16 +194,7 @@ impl Executor {
         let geometry = model.kv_geometry(page_slots);
         let mut pool = KvPool::new(geometry, n_pages)?;
         pool.set_quarantine(hooks.quarantine_pages() as usize);
-        let tier = HostTier::new(geometry.page_elems(), cfg.host_tier_bytes)?;
-        if cfg.host_tier_bytes > 0 && tier.is_none() {
-            return Err(crate::EngineError::Config {
-                what: format!(
-                    "a host KV tier of {} bytes holds no page: a page of this model is {} bytes",
-                    cfg.host_tier_bytes,
-                    geometry.page_elems() * 2
-                ),
-            });
-        }
+        let tiers = Tiers::new(geometry.page_elems(), &cfg.tiers, name)?;
         let shadow = PoolGeometry {
             pages: n_pages as u32,
             page_slots: page_slots as u32,
@@ -237,8 +230,8 @@ impl Executor {
             cache: PrefixCache::new(cfg.prefix_cache, page_slots),
             holders: vec![0; n_pages],
             batch: BatchBuilder::new(width),
-            tier,
-            late_stores: faults::LateStores::default(),
+            tiers,
+            tier_faults: faults::TierFaults::default(),
         })
     }
 
@@ -290,10 +283,11 @@ impl Executor {
 
     /// Evicts one cached page; `None` when none can go.
     fn evict_one(&mut self) -> Option<()> {
-        let (page, holder) = self.cache.evict()?;
+        let gone = self.cache.evict()?;
         self.stats.cached_pages = self.cache.len();
-        self.free_page(holder, page);
-        faults::cache_evict_referenced(self, page);
+        self.demote(gone);
+        self.free_page(gone.holder, gone.page);
+        faults::cache_evict_referenced(self, gone.page);
         Some(())
     }
 
@@ -315,27 +309,58 @@ impl Executor {
     /// Shares the cached pages `seq`'s tokens begin with, read-only, before
     /// it computes anything: they become the first entries of its block
     /// table and count as computed. Every share goes through the hook
-    /// target's `share` check first.
+    /// target's `share` check first. Cached pages whose KV is in a tier
+    /// are read back first: `Ok(false)` until they are (the sequence waits,
+    /// holding nothing); then each is loaded into a page of the sequence
+    /// and cached again.
     ///
     /// # Errors
-    /// The hook target refused a share: the request is aborted (the pages
-    /// shared so far are in its table and go with its release).
-    pub fn share_prefix(&mut self, seq: &mut Sequence) -> Result<(), RequestError> {
+    /// The hook target refused a share or a load: the request is aborted
+    /// (the pages shared so far are in its table and go with its release).
+    pub fn share_prefix(&mut self, seq: &mut Sequence) -> Result<bool, RequestError> {
         if !self.cache.enabled() || !seq.table.is_empty() || seq.computed != 0 {
-            return Ok(());
+            return Ok(true);
+        }
+        let hits = self.cache.peek(&seq.cache_keys, &seq.tokens);
+        if !self.cache_reads_back(&hits) {
+            return Ok(false);
         }
         let hits = self.cache.lookup(&seq.cache_keys, &seq.tokens);
         self.stats.prefix_cache_queries = self.cache.queries;
         self.stats.prefix_cache_hits = self.cache.hits;
         seq.page_hashes.clear();
-        for hit in hits {
-            let verdict = self.hooks.share(self.pool_id, hit.page, seq.owner);
-            if !verdict.is_continue() {
-                return Err(RequestError::aborted_by(verdict, &self.name));
+        // Taking pages for the entries in a tier may evict, and make room
+        // in a tier: the chain's pool pages leave the LRU and its tier
+        // entries are pinned first.
+        for hit in &hits {
+            match hit.place {
+                Place::Pool(page) => self.cache.referenced(page),
+                Place::Tier { .. } => self.cache.pin(hit.serial, true),
             }
-            self.holders[hit.page.page.0 as usize] += 1;
-            self.cache.referenced(hit.page);
-            seq.table.push(hit.page);
+        }
+        let mut shared = 0;
+        let mut result = Ok(true);
+        for hit in &hits {
+            match hit.place {
+                Place::Pool(page) => {
+                    let verdict = self.hooks.share(self.pool_id, page, seq.owner);
+                    if !verdict.is_continue() {
+                        result = Err(RequestError::aborted_by(verdict, &self.name));
+                        break;
+                    }
+                    self.holders[page.page.0 as usize] += 1;
+                    seq.table.push(page);
+                }
+                Place::Tier { .. } => match self.load_cached(seq, hit) {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                },
+            }
+            shared += 1;
             if hit.tokens == self.pool.page_slots() {
                 seq.page_hashes.push(hit.hash);
             }
@@ -344,10 +369,22 @@ impl Executor {
                 .record(seq.computed, hit.tokens, 0..layers, seq.prompt_len, layers);
             seq.computed += hit.tokens;
         }
+        // Pool pages of the chain this sequence did not take: back to the
+        // LRU when only the cache holds them.
+        for hit in &hits[shared..] {
+            if let Some(page) = hit.page()
+                && self.holders[page.page.0 as usize] == 1
+            {
+                self.cache.unreferenced(page);
+            }
+            if matches!(hit.place, Place::Tier { .. }) {
+                self.cache.pin(hit.serial, false);
+            }
+        }
         if seq.generated() == 0 {
             seq.cached_tokens = seq.computed.min(seq.prompt_len);
         }
-        Ok(())
+        result
     }
 
     /// Registers `seq`'s full pages up to position `upto` in the prefix
@@ -424,134 +461,6 @@ impl Executor {
         if let Some(off) = seq.offloaded.take() {
             self.release_blocks(&off.blocks);
         }
-    }
-
-    /// Preempts `seq` to the host tier: each of its pages is stored into a
-    /// tier block (the hook target told before the copy, and what the block
-    /// holds after it), then its pages are let go of. `Ok(false)`, with
-    /// nothing changed, when there is no tier or it has too few free
-    /// blocks: the caller preempts by recompute. An error when the target
-    /// refuses a store: the request ends (its blocks let go of; its pages,
-    /// which it still holds, go with it).
-    pub fn offload(&mut self, seq: &mut Sequence) -> Result<bool, RequestError> {
-        let pages: Vec<PageRef> = seq.table.pages().to_vec();
-        let Some(tier) = self.tier.as_ref() else {
-            return Ok(false);
-        };
-        if seq.computed == 0 || pages.is_empty() || tier.free_blocks() < pages.len() {
-            return Ok(false);
-        }
-        let mut blocks = Vec::with_capacity(pages.len());
-        for page in pages {
-            let tier = self.tier.as_mut().expect("checked above");
-            let b = tier.take().expect("free blocks counted above");
-            let id = TierBlockId::new(HOST_TIER, b);
-            let verdict = self
-                .hooks
-                .tier_store(self.pool_id, seq.owner, page, id, self.step);
-            if !verdict.is_continue() {
-                // Refused before the copy: the block was never stored, and
-                // is not the target's to be told of.
-                tier.put_back(b);
-                self.release_blocks(&blocks);
-                return Err(RequestError::aborted_by(verdict, &self.name));
-            }
-            blocks.push(b);
-            if faults::store_late(self, seq.owner, page, b) {
-                continue;
-            }
-            let tier = self.tier.as_mut().expect("checked above");
-            let digest = tier.store(b, self.pool.page_data(page.page));
-            let verdict = self.hooks.tier_store_done(id, digest, true);
-            if !verdict.is_continue() {
-                self.release_blocks(&blocks);
-                return Err(RequestError::aborted_by(verdict, &self.name));
-            }
-        }
-        if let Some(tier) = self.tier.as_mut() {
-            tier.stats.stores += blocks.len() as u64;
-        }
-        let tokens = seq.computed;
-        let kv = std::mem::take(&mut seq.kv);
-        self.release(seq);
-        seq.offloaded = Some(Offloaded { blocks, tokens, kv });
-        Ok(true)
-    }
-
-    /// Brings a sequence preempted to the host tier back: pages for its
-    /// tokens, each block loaded into its page (the hook target asked
-    /// before the copy, and told the digest of what landed), the blocks let
-    /// go of. `Ok(false)` when the pool has too few pages (the sequence
-    /// stays offloaded, holding none); an error when the target refuses a
-    /// load (the request ends; its blocks are let go of).
-    pub fn reload(&mut self, seq: &mut Sequence) -> Result<bool, RequestError> {
-        let Some(off) = seq.offloaded.take() else {
-            return Ok(true);
-        };
-        if let Some(e) = faults::doomed(self, seq.owner.request) {
-            self.release_blocks(&off.blocks);
-            return Err(e);
-        }
-        match self.ensure_pages(seq, off.tokens) {
-            Ok(true) => {}
-            Ok(false) => {
-                self.release(seq);
-                seq.offloaded = Some(off);
-                return Ok(false);
-            }
-            Err(e) => {
-                self.release_blocks(&off.blocks);
-                return Err(e);
-            }
-        }
-        let pages: Vec<PageRef> = seq.table.pages().to_vec();
-        let tier = self.tier.as_mut().expect("offloaded to this node's tier");
-        for (&b, &page) in off.blocks.iter().zip(&pages) {
-            let id = TierBlockId::new(HOST_TIER, b);
-            let mut verdict = self
-                .hooks
-                .tier_load(self.pool_id, seq.owner, page, id, self.step);
-            if verdict.is_continue() {
-                let ps = self.pool.geometry().page_elems();
-                let at = page.page.0 as usize * ps;
-                let dst = &mut self.pool.data_mut()[at..at + ps];
-                if !faults::tier_read_fails() {
-                    dst.copy_from_slice(tier.block(b));
-                }
-                let landed = tier::digest(dst);
-                verdict = self
-                    .hooks
-                    .tier_verify(self.pool_id, seq.owner, page, id, landed);
-            }
-            if !verdict.is_continue() {
-                self.release_blocks(&off.blocks);
-                return Err(RequestError::aborted_by(verdict, &self.name));
-            }
-        }
-        tier.stats.loads += off.blocks.len() as u64;
-        tier.stats.hits += 1;
-        self.release_blocks(&off.blocks);
-        seq.computed = off.tokens;
-        seq.kv = off.kv;
-        Ok(true)
-    }
-
-    /// The tier lets go of `blocks` (the hook target told).
-    fn release_blocks(&mut self, blocks: &[u64]) {
-        let Some(tier) = self.tier.as_mut() else {
-            return;
-        };
-        for &b in blocks {
-            // A release concerns no request: there is nothing to abort,
-            // and a target that found something has reported it.
-            let _ = self.hooks.tier_release(TierBlockId::new(HOST_TIER, b));
-            tier.put_back(b);
-        }
-    }
-
-    /// The host tier's counters (all zero without one).
-    pub fn tier_stats(&self) -> TierStats {
-        self.tier.as_ref().map(|t| t.stats).unwrap_or_default()
     }
 
     /// `owner` (a request, or the cache) lets go of `page`, unless the free

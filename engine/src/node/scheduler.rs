@@ -227,16 +227,23 @@ impl Scheduler {
             }
             seq.admitted_at = self.next_admission();
             seq.admitted = Some(std::time::Instant::now());
-            // A sequence preempted to the host tier gets its KV back; any
-            // other shares the cached prefix before anything is computed.
+            // A sequence preempted down a tier gets its KV back; any other
+            // shares the cached prefix before anything is computed. Either
+            // may wait for a tier's reads: it stays at the head.
             let resumed = if seq.offloaded.is_some() {
                 core.reload(&mut seq)
             } else {
-                core.share_prefix(&mut seq).map(|()| true)
+                core.share_prefix(&mut seq)
             };
             let n = match resumed {
                 Ok(true) => self.chunk(seq.pending().min(budget).min(room_for(core, &seq))),
-                Ok(false) => 0,
+                Ok(false) => {
+                    match core.lifecycle.enter(seq.owner, State::Queued) {
+                        Ok(()) => self.waiting.push_front(seq),
+                        Err(e) => failed.push((seq, e.into())),
+                    }
+                    break;
+                }
                 Err(e) => {
                     failed.push((seq, e));
                     continue;

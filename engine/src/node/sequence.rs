@@ -64,12 +64,12 @@ pub(crate) struct Sequence {
     pub offloaded: Option<Offloaded>,
 }
 
-/// A preempted sequence's KV in the host tier: block `blocks[i]` holds its
-/// page `i`, together positions `0..tokens`; `kv`, its prompt KV coverage
-/// as it was.
+/// A preempted sequence's KV in a tier: block `blocks[i]` holds its page
+/// `i`, together positions `0..tokens`; `kv`, its prompt KV coverage as it
+/// was.
 #[derive(Debug)]
 pub(crate) struct Offloaded {
-    pub blocks: Vec<u64>,
+    pub blocks: Vec<kvsan_sanitizer::TierBlockId>,
     pub tokens: usize,
     pub kv: KvCoverage,
 }

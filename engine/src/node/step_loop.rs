@@ -149,6 +149,8 @@ pub(crate) fn step(core: &mut Executor, sched: &mut Scheduler) -> bool {
         fail(core, seq, e);
     }
     if plan.is_empty() {
+        // Nothing to run: a request may be waiting for its KV from a tier.
+        core.wait_for_tiers();
         return false;
     }
     let outcomes = core.run(&mut sched.running, &plan);
@@ -187,7 +189,8 @@ pub(crate) fn stats(core: &Executor, sched: &Scheduler) -> crate::node::NodeStat
     s.prefix_cache_queries = core.cache.queries;
     s.prefix_cache_hits = core.cache.hits;
     s.cached_pages = core.cache.len();
-    s.tier = core.tier_stats();
+    s.cached_tiered = core.cache.tiered();
+    s.tiers = core.tier_stats();
     s
 }
 

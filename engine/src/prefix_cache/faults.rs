@@ -2,8 +2,6 @@
 //! eviction. Each seam is the identity (or a no-op) unless its fault is
 //! injected; without the `faults` feature every one compiles away.
 
-use kvsan_sanitizer::PageId;
-
 use super::{Hit, PrefixCache};
 use crate::faults::{Fault, active};
 use crate::request::CacheSalt;
@@ -30,7 +28,7 @@ pub(super) fn cache_key_collision(encoded: Vec<u8>, salt: &CacheSalt) -> Vec<u8>
 /// Fault `cache-evict-referenced`: every cached page.
 pub(super) fn evictable_referenced(cache: &PrefixCache, unreferenced: usize) -> usize {
     if active(Fault::CacheEvictReferenced) {
-        return cache.entries.len();
+        return cache.by_page.len();
     }
     unreferenced
 }
@@ -39,11 +37,15 @@ pub(super) fn evictable_referenced(cache: &PrefixCache, unreferenced: usize) -> 
 ///
 /// Fault `cache-evict-referenced`: the oldest registered page anyway — the
 /// eviction ignores who else holds it.
-pub(super) fn evict_referenced(cache: &PrefixCache) -> Option<PageId> {
+pub(super) fn evict_referenced(cache: &PrefixCache) -> Option<u64> {
     if !active(Fault::CacheEvictReferenced) {
         return None;
     }
-    Some(cache.entries.values().min_by_key(|e| e.born)?.page.page)
+    cache
+        .by_page
+        .values()
+        .copied()
+        .min_by_key(|s| cache.entries.get(s).map_or(u64::MAX, |e| e.born))
 }
 
 /// Nothing: a lookup hits full pages only.

@@ -7,12 +7,12 @@ use std::borrow::Cow;
 
 use std::collections::HashMap;
 
-use kvsan_sanitizer::{Owner, PageRef, RequestId, TenantId, TierBlockId};
+use kvsan_sanitizer::{Owner, PageId, PageRef, RequestId, TenantId, TierBlockId};
 
 use super::Executor;
 use crate::faults::{Fault, active};
 use crate::node::sequence::Sequence;
-use crate::prefix_cache::{self, PrefixCachePolicy};
+use crate::prefix_cache::{self, Hit, Place, PrefixCachePolicy};
 use crate::request::CacheSalt;
 
 /// Nothing: a page enters the prefix cache after the step that writes it.
@@ -130,7 +130,7 @@ pub(super) fn double_free(core: &mut Executor, owner: Owner, pages: &[PageRef]) 
     }
 }
 
-/// `false`: a page read back from the host tier is copied into its page.
+/// `false`: a page read back from a tier is copied into its page.
 ///
 /// Fault `tier-load-failed-as-hit`: the read fails and the failure is
 /// swallowed — the load counts as done, its copy never made.
@@ -138,28 +138,87 @@ pub(super) fn tier_read_fails() -> bool {
     active(Fault::TierLoadFailedAsHit)
 }
 
-/// Fault `tier-store-after-reuse`: host-tier stores whose copy is made
-/// late, and the errors their completions ended their requests with.
-/// Empty without the fault.
+/// The tier fail points' state: stores whose copy is made late and the
+/// errors their completions ended their requests with
+/// (`tier-store-after-reuse`), the step's last block handed out
+/// (`tier-two-pages-one-block`), blocks filed by the page they were stored
+/// from (`tier-meta-by-page-id`). Empty without the faults.
 #[derive(Debug, Default)]
-pub(crate) struct LateStores {
-    /// Each store's owner, source page and block, in order.
-    copies: Vec<(Owner, PageRef, u64)>,
+pub(crate) struct TierFaults {
+    /// Each late store's owner, source page and block, in order.
+    copies: Vec<(Owner, PageRef, TierBlockId)>,
     /// A request whose late store the hook target refused: its error, for
     /// its load to end it with.
     doomed: HashMap<RequestId, crate::request::RequestError>,
+    /// The block last handed out, and the step it was in.
+    last_block: Option<(u64, TierBlockId)>,
+    /// Blocks by the pool page they were stored from.
+    by_page: HashMap<PageId, TierBlockId>,
 }
 
-/// `false`: a store into a host-tier block copies the page now.
+/// A free block of `tier` for a store (`true`: taken off the free list).
+///
+/// Fault `tier-two-pages-one-block` (TensorRT-LLM#8813, fixed by #9056:
+/// two device blocks offloaded into the same host block in one step): the
+/// blocks of a step are counted from the free list as it was when the step
+/// began, so every store after the first in a step is handed the first
+/// one's block again.
+pub(super) fn block_for_store(core: &mut Executor, tier: u32) -> Option<(TierBlockId, bool)> {
+    if active(Fault::TierTwoPagesOneBlock)
+        && let Some((step, id)) = core.tier_faults.last_block
+        && step == core.step
+        && id.tier == tier
+    {
+        return Some((id, false));
+    }
+    let id = core.tiers.as_mut()?.take(tier)?;
+    core.tier_faults.last_block = Some((core.step, id));
+    Some((id, true))
+}
+
+/// Nothing: a cached page's block is its entry's own.
+///
+/// Fault `tier-meta-by-page-id`: the block is also filed by the pool page
+/// it was stored from, a logical id the pool hands out again.
+pub(super) fn file_tier_block(core: &mut Executor, from: PageId, block: TierBlockId) {
+    if active(Fault::TierMetaByPageId) {
+        core.tier_faults.by_page.insert(from, block);
+    }
+}
+
+/// The block a cached entry in a tier is loaded from: its own.
+///
+/// Fault `tier-meta-by-page-id` (TensorRT-LLM#8830: a reused offloaded
+/// block took the wrong block's state): the block filed under the page the
+/// entry was stored from — the latest page stored from that page id, which
+/// after the page's reuse is another entry's.
+pub(super) fn tier_block_of(core: &Executor, hit: &Hit) -> TierBlockId {
+    let Place::Tier { block, from } = hit.place else {
+        unreachable!("only entries in a tier are loaded");
+    };
+    if active(Fault::TierMetaByPageId)
+        && let Some(&filed) = core.tier_faults.by_page.get(&from)
+    {
+        return filed;
+    }
+    block
+}
+
+/// `false`: a store into a tier block copies the page now.
 ///
 /// Fault `tier-store-after-reuse`: the copy is queued for later (as an
 /// asynchronous copy engine runs it), while the preemption frees the
 /// page at once, as if the copy had been taken.
-pub(super) fn store_late(core: &mut Executor, owner: Owner, page: PageRef, block: u64) -> bool {
+pub(super) fn store_late(
+    core: &mut Executor,
+    owner: Owner,
+    page: PageRef,
+    block: TierBlockId,
+) -> bool {
     if !active(Fault::TierStoreAfterReuse) {
         return false;
     }
-    core.late_stores.copies.push((owner, page, block));
+    core.tier_faults.copies.push((owner, page, block));
     true
 }
 
@@ -168,16 +227,11 @@ pub(super) fn store_late(core: &mut Executor, owner: Owner, page: PageRef, block
 /// Fault `tier-store-after-reuse`: the queued copies are made now, from
 /// the pages as they are now, and completed (the hook target told).
 pub(crate) fn complete_late_stores(core: &mut Executor) {
-    for (owner, page, block) in std::mem::take(&mut core.late_stores.copies) {
-        let Some(tier) = core.tier.as_mut() else {
-            return;
-        };
-        let digest = tier.store(block, core.pool.page_data(page.page));
-        let id = TierBlockId::new(crate::tier::HOST_TIER, block);
-        let verdict = core.hooks.tier_store_done(id, digest, true);
+    for (owner, page, block) in std::mem::take(&mut core.tier_faults.copies) {
+        let verdict = core.finish_store(block, page);
         if !verdict.is_continue() {
             let e = crate::request::RequestError::aborted_by(verdict, &core.name);
-            core.late_stores.doomed.insert(owner.request, e);
+            core.tier_faults.doomed.insert(owner.request, e);
         }
     }
 }
@@ -190,5 +244,5 @@ pub(super) fn doomed(
     core: &mut Executor,
     request: RequestId,
 ) -> Option<crate::request::RequestError> {
-    core.late_stores.doomed.remove(&request)
+    core.tier_faults.doomed.remove(&request)
 }

@@ -15,8 +15,10 @@
 //!                                                kvsan:sanitizer_attached{target}
 //!                                                vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total
 //!                                                kvsan:cached_pages{node}
-//!                                                kvsan:kv_offload_host_blocks{node}, kvsan:kv_offload_host_blocks_used{node}
-//!                                                kvsan:kv_offload_host_stores_total{node}, _loads_total{node}, _hits_total{node}
+//!                                                kvsan:cached_pages_tiered{node}
+//!                                                kvsan:kv_offload_blocks{node,tier}, kvsan:kv_offload_blocks_used{node,tier}
+//!                                                kvsan:kv_offload_stores_total{node,tier}, _loads_total, _hits_total,
+//!                                                _io_errors_total (tier: host, disk)
 //! ```
 //!
 //! Every series carries `model_name`, as vLLM's do. The request metrics are
@@ -42,6 +44,7 @@ use kvsan_engine::engine::{Engine, EngineStats};
 use kvsan_engine::hooks::Hooks;
 use kvsan_engine::node::NodeStats;
 use kvsan_engine::request::{ErrorKind, Event, FinishReason, RequestError};
+use kvsan_engine::tier::{TIER_NAMES, TierStats};
 use kvsan_sanitizer::ViolationKind;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -427,36 +430,67 @@ impl Collector for Live {
             "Forward steps run.",
             &per_node_total(|s| s.steps),
         )?;
-        // The host-memory KV tier of preempted requests (zero without one).
+        // The KV tiers (host, disk) of each node that has them.
+        let tiered: Vec<(&str, &str, TierStats)> = nodes
+            .iter()
+            .flat_map(|(n, s)| {
+                TIER_NAMES
+                    .iter()
+                    .zip(s.tiers)
+                    .filter(|(_, t)| t.blocks > 0)
+                    .map(|(tier, t)| (*n, *tier, t))
+            })
+            .collect();
+        let tier_labels = |n: &str, tier: &str| -> Labels {
+            vec![("node", n.to_string()), ("tier", tier.to_string())]
+        };
+        let per_tier = |f: fn(&TierStats) -> usize| -> Vec<(Labels, ConstGauge)> {
+            tiered
+                .iter()
+                .map(|(n, tier, t)| (tier_labels(n, tier), ConstGauge::new(f(t) as i64)))
+                .collect()
+        };
+        let per_tier_total = |f: fn(&TierStats) -> u64| -> Vec<(Labels, ConstCounter)> {
+            tiered
+                .iter()
+                .map(|(n, tier, t)| (tier_labels(n, tier), ConstCounter::new(f(t))))
+                .collect()
+        };
         family(
             e,
-            "kvsan:kv_offload_host_blocks",
-            "Page-sized blocks of the host KV tier.",
-            &per_node(|s| s.tier.blocks as i64),
+            "kvsan:kv_offload_blocks",
+            "Page-sized blocks of a KV tier.",
+            &per_tier(|t| t.blocks),
         )?;
         family(
             e,
-            "kvsan:kv_offload_host_blocks_used",
-            "Blocks of the host KV tier holding a preempted request's page now.",
-            &per_node(|s| s.tier.used as i64),
+            "kvsan:kv_offload_blocks_used",
+            "Blocks of a KV tier holding a page now (a preempted request's, or the prefix cache's).",
+            &per_tier(|t| t.used),
         )?;
         family(
             e,
-            "kvsan:kv_offload_host_stores",
-            "KV pages stored into the host tier.",
-            &per_node_total(|s| s.tier.stores),
+            "kvsan:kv_offload_stores",
+            "KV pages stored into a tier.",
+            &per_tier_total(|t| t.stores),
         )?;
         family(
             e,
-            "kvsan:kv_offload_host_loads",
-            "KV pages loaded back from the host tier.",
-            &per_node_total(|s| s.tier.loads),
+            "kvsan:kv_offload_loads",
+            "KV pages loaded back from a tier.",
+            &per_tier_total(|t| t.loads),
         )?;
         family(
             e,
-            "kvsan:kv_offload_host_hits",
-            "Preempted requests that came back from the host tier instead of being recomputed.",
-            &per_node_total(|s| s.tier.hits),
+            "kvsan:kv_offload_hits",
+            "Preempted requests that came back from a tier, and prefix-cache pages served from one.",
+            &per_tier_total(|t| t.hits),
+        )?;
+        family(
+            e,
+            "kvsan:kv_offload_io_errors",
+            "Tier writes and reads that failed (their blocks were not served).",
+            &per_tier_total(|t| t.io_errors),
         )?;
         // The nodes that hold a prefix cache: the unified one, or the prefill one.
         let caching: Vec<&(&str, &NodeStats)> =
@@ -484,20 +518,28 @@ impl Collector for Live {
                         .sum::<u64>(),
                 ),
             )?;
-            let cached: Vec<(Labels, ConstGauge)> = caching
-                .iter()
-                .map(|(n, s)| {
-                    (
-                        vec![("node", (*n).to_string())],
-                        ConstGauge::new(s.cached_pages as i64),
-                    )
-                })
-                .collect();
+            let per_caching = |f: fn(&NodeStats) -> usize| -> Vec<(Labels, ConstGauge)> {
+                caching
+                    .iter()
+                    .map(|(n, s)| {
+                        (
+                            vec![("node", (*n).to_string())],
+                            ConstGauge::new(f(s) as i64),
+                        )
+                    })
+                    .collect()
+            };
             family(
                 e,
                 "kvsan:cached_pages",
                 "KV pages the prefix cache holds now.",
-                &cached,
+                &per_caching(|s| s.cached_pages),
+            )?;
+            family(
+                e,
+                "kvsan:cached_pages_tiered",
+                "Prefix-cache pages whose KV is in a tier now (served from there on a hit).",
+                &per_caching(|s| s.cached_tiered),
             )?;
         }
         let anomalies: Vec<(Labels, ConstCounter)> = AnomalyKind::ALL
