@@ -534,6 +534,20 @@ impl PrefixCache {
         })
     }
 
+    /// Entries of tier `tier` that may be let go of to make room there
+    /// (those not being loaded).
+    #[must_use]
+    pub fn releasable_in_tier(&self, tier: u32) -> usize {
+        self.tier_lru
+            .values()
+            .filter(|s| {
+                self.entries.get(s).is_some_and(|e| {
+                    !e.pinned && matches!(e.place, Place::Tier { block, .. } if block.tier == tier)
+                })
+            })
+            .count()
+    }
+
     /// Entry `serial` is being loaded from its tier (`true`) or no longer
     /// is: a pinned entry is not let go of to make room.
     pub fn pin(&mut self, serial: u64, pinned: bool) {

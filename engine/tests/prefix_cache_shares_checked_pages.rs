@@ -341,3 +341,40 @@ fn unified_cache_serves_evicted_pages_from_disk() {
 fn disaggregated_prefill_cache_serves_evicted_pages_from_disk() {
     served_from_disk_after_eviction(true);
 }
+
+/// Under the `global` policy a page another tenant's request left in the
+/// cache, gone down to disk, is served from there to the next tenant
+/// (the block's prefix-cache identity lets it share), cached again in the
+/// pool under its writer's identity, evicted and served again: no
+/// violation, every answer as without a cache.
+#[test]
+fn global_policy_serves_another_tenants_page_back_from_disk() {
+    let sys = system(5, 100);
+    let requests: Vec<Request> = [
+        request(1, with_user(&sys, 1), 6),
+        request(3, with_user(&system(8, 200), 1), 6),
+        request(2, with_user(&sys, 2), 6),
+        request(3, with_user(&system(9, 200), 1), 6),
+        request(4, with_user(&sys, 3), 6),
+    ]
+    .into();
+    let (plain, ..) = engine(false, PrefixCachePolicy::Off, "global", 1024);
+    let expected = serve_one_by_one(&plain, &requests);
+    let dir = tempfile::tempdir().expect("a directory for the disk tier");
+    let (cached, sanitizer, sink) = engine_with_tiers(
+        false,
+        PrefixCachePolicy::Global,
+        "global",
+        256,
+        Some(dir.path()),
+    );
+    let got = serve_one_by_one(&cached, &requests);
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.tokens, e.tokens, "request {i} answers as without a cache");
+    }
+    let cached_tokens: Vec<usize> = got.iter().map(|o| o.cached_tokens).collect();
+    assert_eq!(cached_tokens, [0, 0, 96, 0, 96], "{cached_tokens:?}");
+    assert_clean(&sanitizer, &sink);
+    let disk = cached.stats().front.tiers[1];
+    assert!(disk.hits >= 6, "pages served from disk: {disk:?}");
+}

@@ -122,10 +122,9 @@ impl Executor {
     /// (by letting go of the prefix cache's oldest blocks there).
     fn room(&mut self, order: &[u32], n: usize) -> Option<u32> {
         let tiers = self.tiers.as_ref()?;
-        let tier = order
-            .iter()
-            .copied()
-            .find(|&t| tiers.has(t) && tiers.stats()[t as usize].blocks >= n)?;
+        let tier = order.iter().copied().find(|&t| {
+            tiers.has(t) && tiers.free_blocks(t) + self.cache.releasable_in_tier(t) >= n
+        })?;
         while self.tiers.as_ref()?.free_blocks(tier) < n {
             let serial = self.cache.oldest_in_tier(tier)?;
             if let Some(block) = self.cache.forget(serial) {
