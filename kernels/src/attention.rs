@@ -355,9 +355,10 @@ pub fn store_kv(
 /// Queries per attention task of a row.
 const QUERY_CHUNK: usize = 16;
 
-/// Asks `guard` about every page row `row` reads for positions `0..len`:
-/// the pages (in position order) if all may be read, `None` if one was
-/// refused (the row has stopped) or is outside the pool.
+/// Asks `guard` about the pages row `row` reads for positions `0..len`
+/// among block-table entries `entries`: the pages (in position order) if
+/// all may be read, `None` if one was refused (the row has stopped) or is
+/// outside the pool.
 #[allow(clippy::too_many_arguments)]
 fn checked_pages(
     geom: &KvGeometry,
@@ -366,12 +367,12 @@ fn checked_pages(
     batch: &KvBatch<'_>,
     row: usize,
     len: usize,
+    entries: std::ops::Range<usize>,
     guard: &impl KvGuard,
 ) -> Option<Vec<PageId>> {
     let ps = geom.page_slots;
-    let entries = len.div_ceil(ps);
-    let mut pages = Vec::with_capacity(entries);
-    for entry in 0..entries {
+    let mut pages = Vec::with_capacity(entries.len());
+    for entry in entries.clone() {
         let slots = (len - entry * ps).min(ps);
         let access = Access::Read {
             entry,
@@ -392,8 +393,107 @@ fn checked_pages(
         }
         pages.push(page.page);
     }
-    guard.count(entries as u64, 0);
+    guard.count(entries.len() as u64, 0);
     Some(pages)
+}
+
+/// A decode row at least this long is split across tasks by its keys,
+/// whatever the batch and the threads: a row's output is the same alone
+/// and in any batch.
+const SPLIT_MIN_KEYS: usize = 512;
+/// Keys per task of a split row (rounded to whole pages).
+const SPLIT_KEYS: usize = 256;
+
+/// One query's attention, `group` query heads sharing KV head `kvh`, over
+/// the keys of block-table entries `first_entry..` (`pages`) up to
+/// position `len`: for each head its partial softmax — written to `part`
+/// as `[1, max score, sum of exp(score − max), Σ exp(score − max)·V…]` —
+/// for [`merge_parts`] to combine with the other segments'. The query is
+/// rounded to f16 as in [`attend_queries`].
+#[allow(clippy::too_many_arguments)]
+fn attend_segment(
+    isa: Isa,
+    pool: &[f16],
+    geom: &KvGeometry,
+    layer: usize,
+    kvh: usize,
+    pages: &[PageId],
+    first_entry: usize,
+    len: usize,
+    scale: f32,
+    q: &[f32],
+    part: &mut [f32],
+) {
+    let hd = geom.head_dim;
+    let ps = geom.page_slots;
+    let group = q.len() / hd;
+    let t0 = first_entry * ps;
+    let t1 = ((first_entry + pages.len()) * ps).min(len);
+    let n = t1.saturating_sub(t0);
+    let q16: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+    let vector = |kv: usize, t: usize| {
+        let o = geom.offset(pages[(t - t0) / ps], layer, kv, t % ps) + kvh * hd;
+        &pool[o..o + hd]
+    };
+    let mut scores = vec![0.0f32; group * n];
+    for t in t0..t1 {
+        let k = vector(0, t);
+        for r in 0..group {
+            scores[r * n + t - t0] = dot_qk(isa, &q16[r * hd..(r + 1) * hd], k) * scale;
+        }
+    }
+    let w = hd + 3;
+    part.fill(0.0);
+    for r in 0..group {
+        let row = &mut scores[r * n..(r + 1) * n];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sum = 0.0f64;
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+            sum += f64::from(*v);
+        }
+        part[r * w] = 1.0;
+        part[r * w + 1] = max;
+        part[r * w + 2] = sum as f32;
+    }
+    for t in t0..t1 {
+        let v = vector(1, t);
+        for r in 0..group {
+            let e = scores[r * n + t - t0];
+            axpy(isa, &mut part[r * w + 3..(r + 1) * w], e, v);
+        }
+    }
+}
+
+/// Combines the partial softmaxes of a split row's segments (`parts`, one
+/// `group × (hd + 3)` block per segment) into `out` (`group × hd`); zero
+/// when a segment was not computed (the row stopped).
+fn merge_parts(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
+    let w = hd + 3;
+    let seg = group * w;
+    out.fill(0.0);
+    if parts.chunks_exact(seg).any(|p| p[0] != 1.0) {
+        return;
+    }
+    for r in 0..group {
+        let max = parts
+            .chunks_exact(seg)
+            .map(|p| p[r * w + 1])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f64;
+        let o = &mut out[r * hd..(r + 1) * hd];
+        for p in parts.chunks_exact(seg) {
+            let scale = (p[r * w + 1] - max).exp();
+            sum += f64::from(p[r * w + 2]) * f64::from(scale);
+            for (d, &x) in o.iter_mut().zip(&p[r * w + 3..(r + 1) * w]) {
+                *d += scale * x;
+            }
+        }
+        let inv = (1.0 / sum) as f32;
+        for d in o.iter_mut() {
+            *d *= inv;
+        }
+    }
 }
 
 /// Attention of every row's new tokens over its pages for `layer`: `q` and
@@ -428,29 +528,96 @@ pub fn attend(
     let n_pages = geom.n_pages(pool.len());
     let isa = exec.isa.or_portable();
     let nkv = geom.n_kv_heads;
-    // Tasks: (row, first query of the chunk), for each KV head.
-    let mut chunks = Vec::new();
+    // Tasks: (row, first query of the chunk, its block-table entries), for
+    // each KV head. A long decode row is split by its keys
+    // (flash-decoding), so the threads share its reads even alone.
+    let mut chunks: Vec<(usize, usize)> = Vec::new();
     let mut work = 0usize;
     for row in 0..batch.rows() {
         let queries = batch.queries(row);
         work += queries.len() * batch.seq_lens[row] as usize;
         chunks.extend(queries.step_by(QUERY_CHUNK).map(|first| (row, first)));
     }
+    let ps = geom.page_slots;
+    // (chunk, entries, index among its segments, segments)
+    let mut units: Vec<(usize, std::ops::Range<usize>, usize, usize)> = Vec::new();
+    for (c, &(row, first)) in chunks.iter().enumerate() {
+        let queries = batch.queries(row);
+        let last = (first + QUERY_CHUNK).min(queries.end);
+        let seq_len = batch.seq_lens[row] as usize;
+        let len = seq_len - queries.len() + (last - queries.start);
+        let entries = len.div_ceil(ps);
+        if last - first == 1 && len >= SPLIT_MIN_KEYS {
+            let per = SPLIT_KEYS.div_ceil(ps).max(1);
+            let segs = entries.div_ceil(per);
+            for (i, e0) in (0..entries).step_by(per).enumerate() {
+                units.push((c, e0..(e0 + per).min(entries), i, segs));
+            }
+        } else {
+            units.push((c, 0..entries, 0, 1));
+        }
+    }
+    let width = group * hd;
+    let part_w = group * (hd + 3);
+    // Each split unit's partial softmax, per KV head.
+    let split_units = units.iter().filter(|u| u.3 > 1).count();
+    let mut parts = vec![0.0f32; split_units * nkv * part_w];
+    let part_at: Vec<usize> = units
+        .iter()
+        .scan(0usize, |n, u| {
+            let at = *n;
+            *n += usize::from(u.3 > 1);
+            Some(at)
+        })
+        .collect();
     let outp = SharedMut::new(out);
+    let partp = SharedMut::new(&mut parts);
     let task = |t: usize| {
-        let ((row, first), kvh) = (chunks[t / nkv], t % nkv);
+        let (u, kvh) = (t / nkv, t % nkv);
+        let (c, entries, _, segs) = &units[u];
+        let (row, first) = chunks[*c];
         let queries = batch.queries(row);
         let last = (first + QUERY_CHUNK).min(queries.end);
         let seq_len = batch.seq_lens[row] as usize;
         let start_pos = seq_len - queries.len();
         let lens = |i: usize| start_pos + (i - queries.start) + 1;
+        let len = lens(last - 1);
         let pages = if guard.live(row) {
-            checked_pages(geom, n_pages, layer, batch, row, lens(last - 1), guard)
+            checked_pages(
+                geom,
+                n_pages,
+                layer,
+                batch,
+                row,
+                len,
+                entries.clone(),
+                guard,
+            )
         } else {
             None
         };
-        let width = group * hd;
         let at = |i: usize| i * qw + kvh * width;
+        if *segs > 1 {
+            // SAFETY: unit u alone writes its part for head group kvh.
+            let part = unsafe { partp.slice((part_at[u] * nkv + kvh) * part_w, part_w) };
+            match &pages {
+                Some(pages) => attend_segment(
+                    isa,
+                    pool,
+                    geom,
+                    layer,
+                    kvh,
+                    pages,
+                    entries.start,
+                    len,
+                    scale,
+                    &q[at(first)..at(first) + width],
+                    part,
+                ),
+                None => part.fill(0.0),
+            }
+            return;
+        }
         let mut tile = vec![0.0f32; (last - first) * width];
         if let Some(pages) = &pages {
             let mut q_tile = Vec::with_capacity(tile.len());
@@ -468,11 +635,29 @@ pub fn attend(
             unsafe { outp.slice(at(i), width) }.copy_from_slice(o);
         }
     };
-    let tasks = chunks.len() * nkv;
+    let tasks = units.len() * nkv;
     if work * qw < 32_768 {
         (0..tasks).for_each(task);
     } else {
         exec.pool.run(tasks, task);
+    }
+    // Split rows: their segments' parts merged, in segment order.
+    let mut u = 0;
+    while u < units.len() {
+        let (c, _, _, segs) = units[u];
+        if segs > 1 {
+            let (_, first) = chunks[c];
+            for kvh in 0..nkv {
+                let mut merged = Vec::with_capacity(segs * part_w);
+                for s in 0..segs {
+                    let at = (part_at[u + s] * nkv + kvh) * part_w;
+                    merged.extend_from_slice(&parts[at..at + part_w]);
+                }
+                let at = first * qw + kvh * width;
+                merge_parts(&merged, group, hd, &mut out[at..at + width]);
+            }
+        }
+        u += segs;
     }
 }
 

@@ -504,3 +504,72 @@ fn mismatched_batch_arrays_are_refused_by_name() {
     let err = b.view().validate().unwrap_err().to_string();
     assert!(err.contains("row 0 has 2 new tokens"), "{err}");
 }
+
+/// A long decode row is split by its keys across tasks (flash-decoding):
+/// the output matches the reference, is the same bit for bit on one thread
+/// and on two, and alone and beside another row; the guard is asked about
+/// each page exactly once per KV head; a refused page in the middle stops
+/// the row (zero output) and nothing else.
+#[test]
+fn a_long_decode_row_split_by_its_keys_matches_and_asks_about_each_page_once() {
+    const PAGES: u32 = 48;
+    let len: usize = 700; // 43 whole pages and 12 slots of the 44th
+    let mut rng = rng(41);
+    let pool: Vec<f16> = (0..PAGES as usize * GEOM.page_elems())
+        .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
+        .collect();
+    // Pages in a scattered order, as a recycled pool hands them out.
+    let table: Vec<PageRef> = (0..len.div_ceil(GEOM.page_slots) as u32)
+        .map(|i| PageRef::new((i * 7) % PAGES, 1))
+        .collect();
+    let short = refs(&[3, 5]);
+    let b = Batch::new(&[table.clone(), short.clone()], &[len, 20], &[1, 1]);
+    let q = random_f32(&mut rng, 2 * QW, 2.0);
+    let two = ThreadPool::new(2);
+    let one = ThreadPool::new(1);
+    let isa = Isa::detected();
+    let guard = Recording::new(2, None);
+    let out = run_attend(Exec { pool: &two, isa }, &pool, &b, &q, &guard);
+    assert_near(
+        "split row",
+        &out[..QW],
+        &reference(&pool, 0.1, &q[..QW], &table, len),
+    );
+    let single = Recording::new(2, None);
+    let on_one = run_attend(Exec { pool: &one, isa }, &pool, &b, &q, &single);
+    assert_eq!(out, on_one, "one thread or two, the same bits");
+    let alone_b = Batch::new(std::slice::from_ref(&table), &[len], &[1]);
+    let alone = run_attend(
+        Exec { pool: &two, isa },
+        &pool,
+        &alone_b,
+        &q[..QW],
+        &Recording::new(1, None),
+    );
+    assert_eq!(&out[..QW], &alone[..], "alone or in a batch, the same bits");
+    let asked = |g: &Recording| {
+        let mut r = g.reads.lock().unwrap().clone();
+        r.sort_by_key(|a| (a.0, a.1, a.2.page.0, a.3, a.4));
+        r
+    };
+    let reads = asked(&guard);
+    assert_eq!(reads, asked(&single));
+    assert_eq!(reads.len(), GEOM.n_kv_heads * (table.len() + short.len()));
+    for (entry, page) in table.iter().enumerate() {
+        let slots = (len - entry * GEOM.page_slots).min(GEOM.page_slots);
+        let n = reads
+            .iter()
+            .filter(|r| *r == &(0, entry, *page, LAYER, slots))
+            .count();
+        assert_eq!(n, GEOM.n_kv_heads, "entry {entry}");
+    }
+    let refused = table[20];
+    let guard = Recording::new(2, Some(refused));
+    let stopped = run_attend(Exec { pool: &two, isa }, &pool, &b, &q, &guard);
+    assert!(
+        stopped[..QW].iter().all(|&v| v == 0.0),
+        "the refused row reads nothing"
+    );
+    assert_eq!(&stopped[QW..], &out[QW..], "the other row is exact");
+    assert_eq!(guard.ledger.refusals().len(), 1);
+}
