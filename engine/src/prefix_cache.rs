@@ -324,9 +324,15 @@ impl PrefixCache {
     #[must_use]
     pub fn lookup(&mut self, keys: &[u8], tokens: &[u32]) -> Vec<Hit> {
         let hits = self.peek(keys, tokens);
-        self.queries += tokens.len() as u64;
-        self.hits += hits.iter().map(|h| h.tokens as u64).sum::<u64>();
+        self.count(tokens.len(), &hits);
         hits
+    }
+
+    /// Counts a lookup of `queried` tokens that found `hits` (from
+    /// [`PrefixCache::peek`]).
+    pub fn count(&mut self, queried: usize, hits: &[Hit]) {
+        self.queries += queried as u64;
+        self.hits += hits.iter().map(|h| h.tokens as u64).sum::<u64>();
     }
 
     /// [`PrefixCache::lookup`] without counting it.

@@ -289,6 +289,31 @@ fn disaggregated_cache_with_tiers_under_pool_pressure_answers_as_without_it() {
     mixed_load(true, true);
 }
 
+/// Serves `requests` one by one on an engine without a cache and on one
+/// with `policy` over a pool of 256 tokens whose evicted cached pages go
+/// down a disk tier: every answer the same, no violation; the cached
+/// tokens of each request, and the caching node's counters.
+fn served_with_a_disk_tier(
+    disaggregated: bool,
+    policy: PrefixCachePolicy,
+    requests: &[Request],
+) -> (Vec<usize>, kvsan_engine::node::NodeStats) {
+    let share = policy.share_option();
+    let (plain, ..) = engine(disaggregated, PrefixCachePolicy::Off, share, 1024);
+    let expected = serve_one_by_one(&plain, requests);
+    let dir = tempfile::tempdir().expect("a directory for the disk tier");
+    let (cached, sanitizer, sink) =
+        engine_with_tiers(disaggregated, policy, share, 256, Some(dir.path()));
+    let got = serve_one_by_one(&cached, requests);
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.tokens, e.tokens, "request {i} answers as without a cache");
+    }
+    assert_clean(&sanitizer, &sink);
+    let stats = cached.stats();
+    let node = stats.prefill.unwrap_or(stats.front);
+    (got.iter().map(|o| o.cached_tokens).collect(), node)
+}
+
 /// A system prompt's cached pages, evicted from the pool by other
 /// tenants' prompts, go down the disk tier; the next request of the
 /// tenant with that prompt is served them from disk (`cached_tokens`), and
@@ -296,34 +321,17 @@ fn disaggregated_cache_with_tiers_under_pool_pressure_answers_as_without_it() {
 /// nothing from the tier.
 fn served_from_disk_after_eviction(disaggregated: bool) {
     let sys = system(7, 100);
-    let requests: Vec<Request> = [
+    let requests = [
         request(1, with_user(&sys, 1), 6),
         request(3, with_user(&system(8, 200), 1), 6),
         request(3, with_user(&system(9, 200), 1), 6),
         request(1, with_user(&sys, 2), 6),
         request(2, with_user(&sys, 3), 6),
-    ]
-    .into();
-    let (plain, ..) = engine(disaggregated, PrefixCachePolicy::Off, "tenant", 1024);
-    let expected = serve_one_by_one(&plain, &requests);
-    let dir = tempfile::tempdir().expect("a directory for the disk tier");
-    let (cached, sanitizer, sink) = engine_with_tiers(
-        disaggregated,
-        PrefixCachePolicy::Tenant,
-        "tenant",
-        256,
-        Some(dir.path()),
-    );
-    let got = serve_one_by_one(&cached, &requests);
-    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-        assert_eq!(g.tokens, e.tokens, "request {i} answers as without a cache");
-    }
-    let cached_tokens: Vec<usize> = got.iter().map(|o| o.cached_tokens).collect();
+    ];
+    let (cached_tokens, node) =
+        served_with_a_disk_tier(disaggregated, PrefixCachePolicy::Tenant, &requests);
     // 100 system tokens: 6 full pages, all six back from disk.
     assert_eq!(cached_tokens, [0, 0, 0, 96, 0], "{cached_tokens:?}");
-    assert_clean(&sanitizer, &sink);
-    let stats = cached.stats();
-    let node = stats.prefill.unwrap_or(stats.front);
     let disk = node.tiers[1];
     assert!(
         disk.stores >= 6 && disk.loads >= 6 && disk.hits >= 6,
@@ -350,31 +358,16 @@ fn disaggregated_prefill_cache_serves_evicted_pages_from_disk() {
 #[test]
 fn global_policy_serves_another_tenants_page_back_from_disk() {
     let sys = system(5, 100);
-    let requests: Vec<Request> = [
+    let requests = [
         request(1, with_user(&sys, 1), 6),
         request(3, with_user(&system(8, 200), 1), 6),
         request(2, with_user(&sys, 2), 6),
         request(3, with_user(&system(9, 200), 1), 6),
         request(4, with_user(&sys, 3), 6),
-    ]
-    .into();
-    let (plain, ..) = engine(false, PrefixCachePolicy::Off, "global", 1024);
-    let expected = serve_one_by_one(&plain, &requests);
-    let dir = tempfile::tempdir().expect("a directory for the disk tier");
-    let (cached, sanitizer, sink) = engine_with_tiers(
-        false,
-        PrefixCachePolicy::Global,
-        "global",
-        256,
-        Some(dir.path()),
-    );
-    let got = serve_one_by_one(&cached, &requests);
-    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-        assert_eq!(g.tokens, e.tokens, "request {i} answers as without a cache");
-    }
-    let cached_tokens: Vec<usize> = got.iter().map(|o| o.cached_tokens).collect();
+    ];
+    let (cached_tokens, node) =
+        served_with_a_disk_tier(false, PrefixCachePolicy::Global, &requests);
     assert_eq!(cached_tokens, [0, 0, 96, 0, 96], "{cached_tokens:?}");
-    assert_clean(&sanitizer, &sink);
-    let disk = cached.stats().front.tiers[1];
+    let disk = node.tiers[1];
     assert!(disk.hits >= 6, "pages served from disk: {disk:?}");
 }

@@ -559,17 +559,23 @@ pub fn attend(
     }
     let width = group * hd;
     let part_w = group * (hd + 3);
-    // Each split unit's partial softmax, per KV head.
+    // Each split unit's partial softmax, per KV head: a split chunk's
+    // parts for one head are consecutive, in segment order.
     let split_units = units.iter().filter(|u| u.3 > 1).count();
     let mut parts = vec![0.0f32; split_units * nkv * part_w];
-    let part_at: Vec<usize> = units
+    // Where each split chunk's parts begin (in parts), by unit.
+    let chunk_at: Vec<usize> = units
         .iter()
         .scan(0usize, |n, u| {
-            let at = *n;
-            *n += usize::from(u.3 > 1);
+            let at = *n - u.2 * nkv;
+            *n += if u.3 > 1 { nkv } else { 0 };
             Some(at)
         })
         .collect();
+    let part_of = |u: usize, kvh: usize| {
+        let (_, _, seg, segs) = units[u];
+        (chunk_at[u] + kvh * segs + seg) * part_w
+    };
     let outp = SharedMut::new(out);
     let partp = SharedMut::new(&mut parts);
     let task = |t: usize| {
@@ -599,7 +605,7 @@ pub fn attend(
         let at = |i: usize| i * qw + kvh * width;
         if *segs > 1 {
             // SAFETY: unit u alone writes its part for head group kvh.
-            let part = unsafe { partp.slice((part_at[u] * nkv + kvh) * part_w, part_w) };
+            let part = unsafe { partp.slice(part_of(u, kvh), part_w) };
             match &pages {
                 Some(pages) => attend_segment(
                     isa,
@@ -648,13 +654,14 @@ pub fn attend(
         if segs > 1 {
             let (_, first) = chunks[c];
             for kvh in 0..nkv {
-                let mut merged = Vec::with_capacity(segs * part_w);
-                for s in 0..segs {
-                    let at = (part_at[u + s] * nkv + kvh) * part_w;
-                    merged.extend_from_slice(&parts[at..at + part_w]);
-                }
+                let from = part_of(u, kvh);
                 let at = first * qw + kvh * width;
-                merge_parts(&merged, group, hd, &mut out[at..at + width]);
+                merge_parts(
+                    &parts[from..from + segs * part_w],
+                    group,
+                    hd,
+                    &mut out[at..at + width],
+                );
             }
         }
         u += segs;

@@ -325,7 +325,7 @@ impl Executor {
         if !self.cache_reads_back(&hits) {
             return Ok(false);
         }
-        let hits = self.cache.lookup(&seq.cache_keys, &seq.tokens);
+        self.cache.count(seq.tokens.len(), &hits);
         self.stats.prefix_cache_queries = self.cache.queries;
         self.stats.prefix_cache_hits = self.cache.hits;
         seq.page_hashes.clear();

@@ -123,7 +123,8 @@ impl Executor {
     fn room(&mut self, order: &[u32], n: usize) -> Option<u32> {
         let tiers = self.tiers.as_ref()?;
         let tier = order.iter().copied().find(|&t| {
-            tiers.has(t) && tiers.free_blocks(t) + self.cache.releasable_in_tier(t) >= n
+            let free = tiers.free_blocks(t);
+            tiers.has(t) && (free >= n || free + self.cache.releasable_in_tier(t) >= n)
         })?;
         while self.tiers.as_ref()?.free_blocks(tier) < n {
             let serial = self.cache.oldest_in_tier(tier)?;
