@@ -27,8 +27,8 @@
 //!
 //! Query head `h` reads KV head `h / (n_heads / n_kv_heads)` (grouped-query
 //! attention). Scores are `scale · q·k` with `q` rounded to f16 first (as
-//! llama.cpp does for an f16 cache), softmax in f32 with an f64 sum, and the
-//! weighted sum of V accumulated in f32.
+//! llama.cpp does for an f16 cache); the softmax is online over blocks of 16
+//! keys and the weighted sum of V accumulated in f32 ([`crate::flash`]).
 //!
 //! Each attention task (a row's chunk of queries, one KV head) asks the
 //! guard about every page it is about to read, with the slots it reads of
@@ -41,6 +41,7 @@ use kvsan_ids::{Generation, PageId, PageRef};
 
 use crate::Exec;
 use crate::error::KernelError;
+use crate::flash::{Keys, RowState, attend_rows};
 use crate::guard::{Access, KvGuard};
 use crate::isa::Isa;
 use crate::threads::SharedMut;
@@ -193,88 +194,61 @@ impl KvBatch<'_> {
     }
 }
 
-#[inline]
-fn dot_qk(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx2Vnni => {
-            // SAFETY: `isa` is available (callers pass `or_portable()`), and
-            // q and k are both head_dim long.
-            unsafe { crate::avx2::dot_f32_f16(q, k) }
-        }
-        _ => q.iter().zip(k).map(|(&a, &b)| a * b.to_f32()).sum(),
-    }
-}
-
-#[inline]
-fn axpy(isa: Isa, out: &mut [f32], a: f32, v: &[f16]) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx2Vnni => {
-            // SAFETY: `isa` is available and out and v are both head_dim long.
-            unsafe { crate::avx2::axpy_f16(out, a, v) }
-        }
-        _ => {
-            for (o, &x) in out.iter_mut().zip(v) {
-                *o += a * x.to_f32();
-            }
-        }
-    }
-}
-
-/// Attention of consecutive queries, `group` query heads each sharing KV
-/// head `kvh` (`q`: queries × `group × head_dim`), query `i` over positions
-/// `0..lens[i]` of the pages in `pages` (already asked of the guard), into
-/// `out` (the same shape). Each K and V vector is read once for all the
-/// queries and heads that attend to it (a tile of queries over the keys),
-/// not once per query; each query's scores, softmax and sum are the same
-/// operations in the same order as for the query alone.
+/// Attention of consecutive queries over KV heads `kv` (`q`: queries ×
+/// the `group` query heads of each of them × `head_dim`), query `i` over
+/// positions `0..lens[i]` of the pages in `pages` (already asked of the
+/// guard), into `out` (the same shape). Each block of K and V is read and
+/// converted once for all the queries and heads that attend to it (a tile
+/// of queries over blocks of keys, [`crate::flash`]); each query's result
+/// is the same bits as for the query alone.
 #[allow(clippy::too_many_arguments)]
 fn attend_queries(
     isa: Isa,
     pool: &[f16],
     geom: &KvGeometry,
     layer: usize,
-    kvh: usize,
     pages: &[PageId],
     lens: &[usize],
     scale: f32,
+    group: usize,
+    kv: std::ops::Range<usize>,
     q: &[f32],
     out: &mut [f32],
 ) {
     let hd = geom.head_dim;
-    let rows_per_query = q.len() / hd / lens.len().max(1);
+    let per_query = group * kv.len();
+    let rows = q.len() / hd;
+    let heads: Vec<usize> = (0..rows)
+        .map(|r| kv.start + r % per_query / group)
+        .collect();
+    let row_lens: Vec<usize> = (0..rows).map(|r| lens[r / per_query]).collect();
     let len = lens.iter().copied().max().unwrap_or(0);
-    let q16: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-    let mut scores = vec![0.0f32; q.len() / hd * len];
-    let vector = |kv: usize, t: usize| {
-        let o = geom.offset(pages[t / geom.page_slots], layer, kv, t % geom.page_slots) + kvh * hd;
-        &pool[o..o + hd]
-    };
-    // The heads of query `i` are rows `i * rows_per_query ..` of the tile.
-    let rows = |t: usize| {
-        lens.iter()
-            .enumerate()
-            .filter(move |&(_, &n)| t < n)
-            .flat_map(move |(i, _)| i * rows_per_query..(i + 1) * rows_per_query)
-    };
-    for t in 0..len {
-        let k = vector(0, t);
-        for r in rows(t) {
-            scores[r * len + t] = dot_qk(isa, &q16[r * hd..(r + 1) * hd], k) * scale;
-        }
+    let keys = keys_of(pool, geom, layer, pages, 0);
+    let mut state = RowState::new(rows, hd);
+    attend_rows(isa, &keys, 0, len, scale, q, &heads, &row_lens, &mut state);
+    for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+        state.write_out(r, o);
     }
-    for (i, &n) in lens.iter().enumerate() {
-        for r in i * rows_per_query..(i + 1) * rows_per_query {
-            crate::ops::softmax_inplace(&mut scores[r * len..r * len + n]);
-        }
-    }
-    out.fill(0.0);
-    for t in 0..len {
-        let v = vector(1, t);
-        for r in rows(t) {
-            axpy(isa, &mut out[r * hd..(r + 1) * hd], scores[r * len + t], v);
-        }
+}
+
+/// The K and V of `layer` in `pages` (position `base` at the first slot of
+/// `pages[0]`), as [`crate::flash`] reads them.
+fn keys_of<'a>(
+    pool: &'a [f16],
+    geom: &KvGeometry,
+    layer: usize,
+    pages: &'a [PageId],
+    base: usize,
+) -> Keys<'a> {
+    Keys {
+        pool,
+        pages,
+        base,
+        page_elems: geom.page_elems(),
+        page_slots: geom.page_slots,
+        n_kv_heads: geom.n_kv_heads,
+        head_dim: geom.head_dim,
+        layer_at: geom.offset(PageId(0), layer, 0, 0),
     }
 }
 
@@ -404,64 +378,52 @@ const SPLIT_MIN_KEYS: usize = 512;
 /// Keys per task of a split row (rounded to whole pages).
 const SPLIT_KEYS: usize = 256;
 
-/// One query's attention, `group` query heads sharing KV head `kvh`, over
-/// the keys of block-table entries `first_entry..` (`pages`) up to
-/// position `len`: for each head its partial softmax — written to `part`
+/// One query's attention (`q`: `n_heads × head_dim`, `group` heads per KV
+/// head) over the keys of block-table entries `first_entry..` (`pages`) up
+/// to position `len`: for each head its partial softmax — written to `part`
 /// as `[1, max score, sum of exp(score − max), Σ exp(score − max)·V…]` —
-/// for [`merge_parts`] to combine with the other segments'. The query is
-/// rounded to f16 as in [`attend_queries`].
+/// for [`merge_parts`] to combine with the other segments'. The same
+/// block loop as [`attend_queries`].
 #[allow(clippy::too_many_arguments)]
 fn attend_segment(
     isa: Isa,
     pool: &[f16],
     geom: &KvGeometry,
     layer: usize,
-    kvh: usize,
     pages: &[PageId],
     first_entry: usize,
     len: usize,
     scale: f32,
+    group: usize,
     q: &[f32],
     part: &mut [f32],
 ) {
     let hd = geom.head_dim;
     let ps = geom.page_slots;
-    let group = q.len() / hd;
+    let rows = q.len() / hd;
     let t0 = first_entry * ps;
     let t1 = ((first_entry + pages.len()) * ps).min(len);
-    let n = t1.saturating_sub(t0);
-    let q16: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-    let vector = |kv: usize, t: usize| {
-        let o = geom.offset(pages[(t - t0) / ps], layer, kv, t % ps) + kvh * hd;
-        &pool[o..o + hd]
-    };
-    let mut scores = vec![0.0f32; group * n];
-    for t in t0..t1 {
-        let k = vector(0, t);
-        for r in 0..group {
-            scores[r * n + t - t0] = dot_qk(isa, &q16[r * hd..(r + 1) * hd], k) * scale;
-        }
-    }
+    let keys = keys_of(pool, geom, layer, pages, t0);
+    let heads: Vec<usize> = (0..rows).map(|r| r / group).collect();
+    let mut state = RowState::new(rows, hd);
+    attend_rows(
+        isa,
+        &keys,
+        t0,
+        t1,
+        scale,
+        q,
+        &heads,
+        &vec![len; rows],
+        &mut state,
+    );
     let w = hd + 3;
     part.fill(0.0);
-    for r in 0..group {
-        let row = &mut scores[r * n..(r + 1) * n];
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut sum = 0.0f64;
-        for v in row.iter_mut() {
-            *v = (*v - max).exp();
-            sum += f64::from(*v);
-        }
+    for r in 0..rows {
         part[r * w] = 1.0;
-        part[r * w + 1] = max;
-        part[r * w + 2] = sum as f32;
-    }
-    for t in t0..t1 {
-        let v = vector(1, t);
-        for r in 0..group {
-            let e = scores[r * n + t - t0];
-            axpy(isa, &mut part[r * w + 3..(r + 1) * w], e, v);
-        }
+        part[r * w + 1] = state.max[r];
+        part[r * w + 2] = state.sum[r];
+        part[r * w + 3..(r + 1) * w].copy_from_slice(state.acc_row(r, hd));
     }
 }
 
@@ -498,8 +460,9 @@ fn merge_parts(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
 
 /// Attention of every row's new tokens over its pages for `layer`: `q` and
 /// `out` are `tokens × n_heads × head_dim`. Each task (a row's chunk of up
-/// to four queries, one KV head) asks `guard` about each page it is about to
-/// read; a stopped row's output is zero.
+/// to 16 queries, or a segment of a long decode row's keys, for one KV
+/// head) asks `guard` about each page it is about to read; a stopped row's
+/// output is zero.
 ///
 /// # Panics
 /// On shape mismatches (see [`KvBatch::validate`], `q`/`out` lengths, heads
@@ -527,10 +490,9 @@ pub fn attend(
     assert_eq!(out.len(), q.len(), "attention output length");
     let n_pages = geom.n_pages(pool.len());
     let isa = exec.isa.or_portable();
-    let nkv = geom.n_kv_heads;
-    // Tasks: (row, first query of the chunk, its block-table entries), for
-    // each KV head. A long decode row is split by its keys
-    // (flash-decoding), so the threads share its reads even alone.
+    // Tasks: (row, first query of the chunk, its block-table entries). A
+    // long decode row is split by its keys (flash-decoding), so the
+    // threads share its reads even alone.
     let mut chunks: Vec<(usize, usize)> = Vec::new();
     let mut work = 0usize;
     for row in 0..batch.rows() {
@@ -557,29 +519,30 @@ pub fn attend(
             units.push((c, 0..entries, 0, 1));
         }
     }
-    let width = group * hd;
-    let part_w = group * (hd + 3);
-    // Each split unit's partial softmax, per KV head: a split chunk's
-    // parts for one head are consecutive, in segment order.
-    let split_units = units.iter().filter(|u| u.3 > 1).count();
-    let mut parts = vec![0.0f32; split_units * nkv * part_w];
-    // Where each split chunk's parts begin (in parts), by unit.
-    let chunk_at: Vec<usize> = units
+    // Each split unit's partial softmaxes, every head, in unit order (a
+    // split chunk's segments are consecutive).
+    let part_w = n_heads * (hd + 3);
+    let part_at: Vec<usize> = units
         .iter()
         .scan(0usize, |n, u| {
-            let at = *n - u.2 * nkv;
-            *n += if u.3 > 1 { nkv } else { 0 };
+            let at = *n * part_w;
+            *n += usize::from(u.3 > 1);
             Some(at)
         })
         .collect();
-    let part_of = |u: usize, kvh: usize| {
-        let (_, _, seg, segs) = units[u];
-        (chunk_at[u] + kvh * segs + seg) * part_w
-    };
+    let split_units = units.iter().filter(|u| u.3 > 1).count();
+    let mut parts = vec![0.0f32; split_units * part_w];
     let outp = SharedMut::new(out);
     let partp = SharedMut::new(&mut parts);
+    // One task per unit, every KV head: a block's K and V slot rows are
+    // read whole, in pool order, and each page is asked about once. A batch
+    // of one unit (one short row) is split by KV heads instead, so the
+    // threads share it; the split depends on the batch alone.
+    let nkv = geom.n_kv_heads;
+    let per_unit = if units.len() == 1 { nkv } else { 1 };
     let task = |t: usize| {
-        let (u, kvh) = (t / nkv, t % nkv);
+        let (u, g) = (t / per_unit, t % per_unit);
+        let kv = if per_unit == 1 { 0..nkv } else { g..g + 1 };
         let (c, entries, _, segs) = &units[u];
         let (row, first) = chunks[*c];
         let queries = batch.queries(row);
@@ -602,28 +565,30 @@ pub fn attend(
         } else {
             None
         };
-        let at = |i: usize| i * qw + kvh * width;
         if *segs > 1 {
-            // SAFETY: unit u alone writes its part for head group kvh.
-            let part = unsafe { partp.slice(part_of(u, kvh), part_w) };
+            // SAFETY: unit u alone writes its part.
+            let part = unsafe { partp.slice(part_at[u], part_w) };
             match &pages {
                 Some(pages) => attend_segment(
                     isa,
                     pool,
                     geom,
                     layer,
-                    kvh,
                     pages,
                     entries.start,
                     len,
                     scale,
-                    &q[at(first)..at(first) + width],
+                    group,
+                    &q[first * qw..(first + 1) * qw],
                     part,
                 ),
                 None => part.fill(0.0),
             }
             return;
         }
+        let width = kv.len() * group * hd;
+        let h0 = kv.start * group * hd;
+        let at = |i: usize| i * qw + h0;
         let mut tile = vec![0.0f32; (last - first) * width];
         if let Some(pages) = &pages {
             let mut q_tile = Vec::with_capacity(tile.len());
@@ -632,16 +597,16 @@ pub fn attend(
             }
             let lens: Vec<usize> = (first..last).map(lens).collect();
             attend_queries(
-                isa, pool, geom, layer, kvh, pages, &lens, scale, &q_tile, &mut tile,
+                isa, pool, geom, layer, pages, &lens, scale, group, kv, &q_tile, &mut tile,
             );
         }
         for (i, o) in (first..last).zip(tile.chunks_exact(width)) {
-            // SAFETY: task (chunk, kvh) alone writes head group kvh of the
+            // SAFETY: task (unit, heads) alone writes these heads of the
             // queries of its chunk.
             unsafe { outp.slice(at(i), width) }.copy_from_slice(o);
         }
     };
-    let tasks = units.len() * nkv;
+    let tasks = units.len() * per_unit;
     if work * qw < 32_768 {
         (0..tasks).for_each(task);
     } else {
@@ -653,16 +618,12 @@ pub fn attend(
         let (c, _, _, segs) = units[u];
         if segs > 1 {
             let (_, first) = chunks[c];
-            for kvh in 0..nkv {
-                let from = part_of(u, kvh);
-                let at = first * qw + kvh * width;
-                merge_parts(
-                    &parts[from..from + segs * part_w],
-                    group,
-                    hd,
-                    &mut out[at..at + width],
-                );
-            }
+            merge_parts(
+                &parts[part_at[u]..part_at[u] + segs * part_w],
+                n_heads,
+                hd,
+                &mut out[first * qw..(first + 1) * qw],
+            );
         }
         u += segs;
     }
@@ -692,25 +653,40 @@ mod tests {
             .map(|_| f16::from_f32(next()))
             .collect();
         let (group, hd) = (3, geom.head_dim);
+        let w = group * geom.n_kv_heads * hd;
         // Four queries of a prefill at positions 45..49: each attends to
-        // itself and everything before it.
+        // itself and everything before it. The tile scores from transposed
+        // keys where the CPU has AVX-512, a query alone from each key's
+        // lanes: the same bits either way.
         let lens = [46, 47, 48, 49];
-        let q: Vec<f32> = (0..lens.len() * group * hd).map(|_| next()).collect();
+        let q: Vec<f32> = (0..lens.len() * w).map(|_| next()).collect();
         for isa in Isa::all_available() {
             let mut tile = vec![0.0f32; q.len()];
-            attend_queries(isa, &pool, &geom, 1, 1, &pages, &lens, 0.125, &q, &mut tile);
+            attend_queries(
+                isa,
+                &pool,
+                &geom,
+                1,
+                &pages,
+                &lens,
+                0.125,
+                group,
+                0..geom.n_kv_heads,
+                &q,
+                &mut tile,
+            );
             for (i, &n) in lens.iter().enumerate() {
-                let w = group * hd;
                 let mut alone = vec![0.0f32; w];
                 attend_queries(
                     isa,
                     &pool,
                     &geom,
                     1,
-                    1,
                     &pages,
                     &[n],
                     0.125,
+                    group,
+                    0..geom.n_kv_heads,
                     &q[i * w..(i + 1) * w],
                     &mut alone,
                 );

@@ -1,5 +1,5 @@
 //! x86-64 AVX2 + FMA + F16C kernels: weight-row × activation-row dot products
-//! for every block format, and the f32 × f16 helpers of attention.
+//! for every block format.
 //!
 //! Inside a block the products are summed in integers (`maddubs`/`madd`, the
 //! instruction sequences of llama.cpp's AVX2 path), across blocks in f32 FMA
@@ -9,8 +9,6 @@
 //! [`Isa::Avx2`](crate::isa::Isa::Avx2)`.available()` first.
 
 use std::arch::x86_64::*;
-
-use half::f16;
 
 use crate::DType;
 use crate::isa::Vnni;
@@ -431,64 +429,6 @@ unsafe fn dot_q6k(nb: usize, w: *const u8, x: *const u8) -> f32 {
         }
     }
     hsum_f32(acc) - acc_bias
-}
-
-/// `Σ q[i] * k[i]` with `k` in f16.
-///
-/// # Safety
-/// The CPU supports AVX2, FMA and F16C; `q.len() == k.len()`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_f32_f16(q: &[f32], k: &[f16]) -> f32 {
-    debug_assert_eq!(q.len(), k.len());
-    let n = q.len();
-    let (qp, kp) = (q.as_ptr(), k.as_ptr().cast::<u8>());
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut i = 0;
-    // SAFETY: every load reads indices < n of both slices.
-    unsafe {
-        while i + 16 <= n {
-            let k0 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(2 * i).cast()));
-            let k1 = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(2 * i + 16).cast()));
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), k0, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i + 8)), k1, acc1);
-            i += 16;
-        }
-        let mut s = hsum_f32(_mm256_add_ps(acc0, acc1));
-        while i < n {
-            s += *qp.add(i) * f16_at(kp.add(2 * i));
-            i += 1;
-        }
-        s
-    }
-}
-
-/// `out[i] += a * v[i]` with `v` in f16.
-///
-/// # Safety
-/// The CPU supports AVX2, FMA and F16C; `out.len() == v.len()`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn axpy_f16(out: &mut [f32], a: f32, v: &[f16]) {
-    debug_assert_eq!(out.len(), v.len());
-    let n = out.len();
-    let (op, vp) = (out.as_mut_ptr(), v.as_ptr().cast::<u8>());
-    let av = _mm256_set1_ps(a);
-    let mut i = 0;
-    // SAFETY: every access is at an index < n of both slices.
-    unsafe {
-        while i + 8 <= n {
-            let vv = _mm256_cvtph_ps(_mm_loadu_si128(vp.add(2 * i).cast()));
-            _mm256_storeu_ps(
-                op.add(i),
-                _mm256_fmadd_ps(av, vv, _mm256_loadu_ps(op.add(i))),
-            );
-            i += 8;
-        }
-        while i < n {
-            *op.add(i) += a * f16_at(vp.add(2 * i));
-            i += 1;
-        }
-    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,10 @@ pub enum Isa {
     /// integer sums are the same, so the results are bit-identical to
     /// [`Isa::Avx2`]'s.
     Avx2Vnni,
+    /// [`Isa::Avx2Vnni`] whose attention runs on 512-bit registers: a CPU
+    /// with AVX-512 F, BW, VL, DQ and VNNI (Ice Lake, Sapphire Rapids,
+    /// Zen 4 and later). The matmuls are [`Isa::Avx2Vnni`]'s.
+    Avx512,
 }
 
 impl Isa {
@@ -26,12 +30,15 @@ impl Isa {
             Isa::Portable => true,
             Isa::Avx2 => avx2_available(),
             Isa::Avx2Vnni => avx2_available() && vnni_available(),
+            Isa::Avx512 => avx2_available() && avx512_available(),
         }
     }
 
     /// The fastest path this CPU can run. Setting the environment variable
     /// `KVSAN_KERNELS_PORTABLE=1` before first use forces [`Isa::Portable`];
-    /// `KVSAN_KERNELS_NO_VNNI=1` keeps [`Isa::Avx2`] on a CPU with VNNI.
+    /// `KVSAN_KERNELS_NO_AVX512=1` keeps [`Isa::Avx2Vnni`] on a CPU with
+    /// AVX-512; `KVSAN_KERNELS_NO_VNNI=1` keeps [`Isa::Avx2`] on a CPU with
+    /// VNNI (and AVX-512).
     #[must_use]
     pub fn detected() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
@@ -39,7 +46,11 @@ impl Isa {
             let set = |name: &str| std::env::var_os(name).is_some_and(|v| v == "1");
             if set("KVSAN_KERNELS_PORTABLE") {
                 Isa::Portable
-            } else if !set("KVSAN_KERNELS_NO_VNNI") && Isa::Avx2Vnni.available() {
+            } else if set("KVSAN_KERNELS_NO_VNNI") && Isa::Avx2.available() {
+                Isa::Avx2
+            } else if !set("KVSAN_KERNELS_NO_AVX512") && Isa::Avx512.available() {
+                Isa::Avx512
+            } else if Isa::Avx2Vnni.available() {
                 Isa::Avx2Vnni
             } else if Isa::Avx2.available() {
                 Isa::Avx2
@@ -62,7 +73,7 @@ impl Isa {
     /// Every path this CPU can run (for tests that compare them).
     #[must_use]
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni]
+        [Isa::Portable, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512]
             .into_iter()
             .filter(|i| i.available())
             .collect()
@@ -78,6 +89,20 @@ fn avx2_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_available() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512dq")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_available() -> bool {
     false
 }
 

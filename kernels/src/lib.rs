@@ -5,9 +5,10 @@
 //! element-wise operations ([`ops`]), and the KV store and paged attention
 //! over an f16 KV page pool for a whole batch ([`attention`]), which ask a
 //! [`guard::KvGuard`] before every page they touch (the pool's generation
-//! array, or the sanitizer's kernel shadow). Each kernel has
-//! an AVX2 path chosen at run time ([`isa`]) and a portable one, and runs on a
-//! thread pool built for many small jobs ([`threads`]).
+//! array, or the sanitizer's kernel shadow). Each kernel has an AVX2 path
+//! (attention an AVX-512 one too) chosen at run time ([`isa`]) and a
+//! portable one, and runs on a thread pool built for many small jobs
+//! ([`threads`]).
 #![warn(missing_docs)]
 
 pub mod attention;
@@ -17,6 +18,7 @@ mod avx2;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+mod flash;
 pub mod guard;
 pub mod isa;
 pub mod matmul;

@@ -229,12 +229,12 @@ pub fn matmul_with(exec: Exec, w: &WeightMatrix, x: &[f32], n_tokens: usize, y: 
 fn dot(isa: Isa, dtype: DType, cols: usize, w: &[u8], x: &[u8]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx2Vnni => {
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 => {
             // SAFETY: `isa` passed `or_portable`, so AVX2/FMA/F16C (and, for
-            // `Avx2Vnni`, VNNI) are present; `w` is one row of a checked
-            // matrix and `x` one row of
+            // `Avx2Vnni` and `Avx512`, VNNI) are present; `w` is one row of a
+            // checked matrix and `x` one row of
             // `ActFormat::for_weight(dtype).row_bytes(cols)` bytes.
-            unsafe { crate::avx2::vec_dot(isa == Isa::Avx2Vnni, dtype, cols, w, x) }
+            unsafe { crate::avx2::vec_dot(isa != Isa::Avx2, dtype, cols, w, x) }
         }
         _ => quant::vec_dot_portable(dtype, cols, w, x),
     }
@@ -253,10 +253,10 @@ fn dot4(
 ) -> Option<[f32; 4]> {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx2Vnni => {
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 => {
             // SAFETY: the path is available (see `dot`); `x` holds four
             // activation rows of `stride` bytes each.
-            unsafe { crate::avx2::vec_dot4(isa == Isa::Avx2Vnni, dtype, cols, w, x, stride) }
+            unsafe { crate::avx2::vec_dot4(isa != Isa::Avx2, dtype, cols, w, x, stride) }
         }
         _ => None,
     }

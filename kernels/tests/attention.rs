@@ -189,7 +189,7 @@ fn attention_over_a_mixed_batch_matches_the_reference_on_any_pool_and_isa() {
         }
     }
     let one = ThreadPool::new(1);
-    for isa in [Isa::Portable, Isa::detected()] {
+    for isa in Isa::all_available() {
         let got = run_attend(Exec { pool: &one, isa }, &pool, &b, &q, &guard);
         assert_near(
             &format!("{isa:?} on one thread"),
@@ -333,8 +333,8 @@ fn attention_asks_about_exactly_the_pages_and_slots_each_task_reads() {
             (1, 2, p(&tables[1], 2), LAYER, 2),
         ]
     );
-    // Every (task, page) asks once per KV head: 2 heads.
-    assert_eq!(guard.reads.lock().unwrap().len(), 2 * (3 + 2 + 3));
+    // Every (task, page) asks once: a task reads every KV head of a page.
+    assert_eq!(guard.reads.lock().unwrap().len(), 3 + 2 + 3);
 }
 
 #[test]
@@ -508,8 +508,8 @@ fn mismatched_batch_arrays_are_refused_by_name() {
 /// A long decode row is split by its keys across tasks (flash-decoding):
 /// the output matches the reference, is the same bit for bit on one thread
 /// and on two, and alone and beside another row; the guard is asked about
-/// each page exactly once per KV head; a refused page in the middle stops
-/// the row (zero output) and nothing else.
+/// each page exactly once (a segment's task reads every KV head); a refused
+/// page in the middle stops the row (zero output) and nothing else.
 #[test]
 fn a_long_decode_row_split_by_its_keys_matches_and_asks_about_each_page_once() {
     const PAGES: u32 = 48;
@@ -554,14 +554,14 @@ fn a_long_decode_row_split_by_its_keys_matches_and_asks_about_each_page_once() {
     };
     let reads = asked(&guard);
     assert_eq!(reads, asked(&single));
-    assert_eq!(reads.len(), GEOM.n_kv_heads * (table.len() + short.len()));
+    assert_eq!(reads.len(), table.len() + short.len());
     for (entry, page) in table.iter().enumerate() {
         let slots = (len - entry * GEOM.page_slots).min(GEOM.page_slots);
         let n = reads
             .iter()
             .filter(|r| *r == &(0, entry, *page, LAYER, slots))
             .count();
-        assert_eq!(n, GEOM.n_kv_heads, "entry {entry}");
+        assert_eq!(n, 1, "entry {entry}");
     }
     let refused = table[20];
     let guard = Recording::new(2, Some(refused));
@@ -572,4 +572,42 @@ fn a_long_decode_row_split_by_its_keys_matches_and_asks_about_each_page_once() {
     );
     assert_eq!(&stopped[QW..], &out[QW..], "the other row is exact");
     assert_eq!(guard.ledger.refusals().len(), 1);
+}
+
+/// A batch of one short row (one task's worth) is split by KV heads so the
+/// threads share it: the output matches the reference and is the same bits
+/// on one thread, and each page is asked about once per KV head.
+#[test]
+fn a_lone_short_row_is_split_by_kv_heads_and_matches() {
+    let pool = random_pool(27);
+    let table = refs(&[4, 9, 2]);
+    let b = Batch::new(std::slice::from_ref(&table), &[37], &[1]);
+    let q = random_f32(&mut rng(28), QW, 1.0);
+    let guard = Recording::new(1, None);
+    let two = ThreadPool::new(2);
+    let out = run_attend(
+        Exec {
+            pool: &two,
+            isa: Isa::detected(),
+        },
+        &pool,
+        &b,
+        &q,
+        &guard,
+    );
+    assert_near("lone row", &out, &reference(&pool, 0.1, &q, &table, 37));
+    let one = ThreadPool::new(1);
+    let single = Recording::new(1, None);
+    let on_one = run_attend(
+        Exec {
+            pool: &one,
+            isa: Isa::detected(),
+        },
+        &pool,
+        &b,
+        &q,
+        &single,
+    );
+    assert_eq!(out, on_one, "one thread or two, the same bits");
+    assert_eq!(guard.reads.lock().unwrap().len(), GEOM.n_kv_heads * 3);
 }
