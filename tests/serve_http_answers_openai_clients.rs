@@ -324,9 +324,15 @@ fn a_client_that_disconnects_before_a_whole_answer_cancels_its_request() {
     let (server, addr) = synthetic_server(&["--max-clients", "1", "--synthetic-context", "65536"]);
     let long = json!({"model": "synthetic", "prompt": [1, 2, 3], "max_tokens": 65000}).to_string();
     let waiting = RawStream::open(&addr, &long);
+    // Running before any small request is sent: a small one that took the
+    // only place first would have the long one refused instead.
+    let deadline = std::time::Instant::now() + BOUND;
+    while Scrape::of(&addr).value("vllm:num_requests_running", &[]) < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "never running");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     // Refused while the long request holds the only place: it is in flight.
     let small = r#"{"model": "synthetic", "prompt": [1], "max_tokens": 1}"#;
-    let deadline = std::time::Instant::now() + BOUND;
     while post(&addr, "/v1/completions", small, &[]).status != 503 {
         assert!(std::time::Instant::now() < deadline, "never in flight");
     }
