@@ -30,9 +30,9 @@
 //! llama.cpp does for an f16 cache); the softmax is online over blocks of 16
 //! keys and the weighted sum of V accumulated in f32 ([`crate::flash`]).
 //!
-//! Each attention task (a row's chunk of queries, one KV head) asks the
-//! guard about every page it is about to read, with the slots it reads of
-//! it, before reading any; the store asks before each token's K and V go
+//! Each attention task (a row's chunk of queries, or a segment of a long
+//! decode row's keys, over every KV head) asks the guard about every page it
+//! is about to read, with the slots it reads of it, before reading any; the store asks before each token's K and V go
 //! in. A page outside the pool is never touched. A refused row stops: its
 //! output is zero and its later stores are skipped.
 
@@ -428,16 +428,16 @@ fn attend_segment(
 }
 
 /// Combines the partial softmaxes of a split row's segments (`parts`, one
-/// `group × (hd + 3)` block per segment) into `out` (`group × hd`); zero
-/// when a segment was not computed (the row stopped).
-fn merge_parts(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
+/// `rows × (hd + 3)` block per segment, a row per query head) into `out`
+/// (`rows × hd`); zero when a segment was not computed (the row stopped).
+fn merge_parts(parts: &[f32], rows: usize, hd: usize, out: &mut [f32]) {
     let w = hd + 3;
-    let seg = group * w;
+    let seg = rows * w;
     out.fill(0.0);
     if parts.chunks_exact(seg).any(|p| p[0] != 1.0) {
         return;
     }
-    for r in 0..group {
+    for r in 0..rows {
         let max = parts
             .chunks_exact(seg)
             .map(|p| p[r * w + 1])
@@ -460,9 +460,9 @@ fn merge_parts(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
 
 /// Attention of every row's new tokens over its pages for `layer`: `q` and
 /// `out` are `tokens × n_heads × head_dim`. Each task (a row's chunk of up
-/// to 16 queries, or a segment of a long decode row's keys, for one KV
-/// head) asks `guard` about each page it is about to read; a stopped row's
-/// output is zero.
+/// to 16 queries, or a segment of a long decode row's keys, over every KV
+/// head — one KV head each when the batch is a single chunk) asks `guard`
+/// about each page it is about to read; a stopped row's output is zero.
 ///
 /// # Panics
 /// On shape mismatches (see [`KvBatch::validate`], `q`/`out` lengths, heads
