@@ -30,6 +30,11 @@
 //! llama.cpp does for an f16 cache); the softmax is online over blocks of 16
 //! keys and the weighted sum of V accumulated in f32 ([`crate::flash`]).
 //!
+//! A query of 512 keys or more takes its keys in segments of 256 whose
+//! partial softmaxes are merged, whether it is a decode row (a task per
+//! segment) or in a prompt's tile (passes of the tile's task), so a query's
+//! output is the same bits however the prompt was chunked.
+//!
 //! Each attention task (a row's chunk of queries, or a segment of a long
 //! decode row's keys, over every KV head) asks the guard about every page it
 //! is about to read, with the slots it reads of it, before reading any; the store asks before each token's K and V go
@@ -41,7 +46,7 @@ use kvsan_ids::{Generation, PageId, PageRef};
 
 use crate::Exec;
 use crate::error::KernelError;
-use crate::flash::{Keys, RowState, attend_rows};
+use crate::flash::{Keys, RowState, Rows, attend_rows};
 use crate::guard::{Access, KvGuard};
 use crate::isa::Isa;
 use crate::threads::SharedMut;
@@ -199,8 +204,13 @@ impl KvBatch<'_> {
 /// positions `0..lens[i]` of the pages in `pages` (already asked of the
 /// guard), into `out` (the same shape). Each block of K and V is read and
 /// converted once for all the queries and heads that attend to it (a tile
-/// of queries over blocks of keys, [`crate::flash`]); each query's result
-/// is the same bits as for the query alone.
+/// of queries over blocks of keys, [`crate::flash`]).
+///
+/// A query of fewer than [`SPLIT_MIN_KEYS`] keys takes one pass over its
+/// keys; a longer one, the segments a long decode row is split into, each
+/// its own pass, merged as [`merge_parts`] merges them. So each query's
+/// result is the same bits alone, in any tile, and as a decode row —
+/// however the scheduler chunked its prompt.
 #[allow(clippy::too_many_arguments)]
 fn attend_queries(
     isa: Isa,
@@ -222,13 +232,46 @@ fn attend_queries(
         .map(|r| kv.start + r % per_query / group)
         .collect();
     let row_lens: Vec<usize> = (0..rows).map(|r| lens[r / per_query]).collect();
-    let len = lens.iter().copied().max().unwrap_or(0);
     let keys = keys_of(pool, geom, layer, pages, 0);
-    let mut state = RowState::new(rows, hd);
-    attend_rows(isa, &keys, 0, len, scale, q, &heads, &row_lens, &mut state);
-    for (r, o) in out.chunks_exact_mut(hd).enumerate() {
-        state.write_out(r, o);
+    // Lengths grow along the tile: the short queries come first.
+    let short = lens.partition_point(|&l| l < SPLIT_MIN_KEYS) * per_query;
+    if short > 0 {
+        let len = row_lens[short - 1];
+        let mut state = RowState::new(short, hd);
+        let (q, heads, lens) = (&q[..short * hd], &heads[..short], &row_lens[..short]);
+        attend_rows(isa, &keys, 0, len, scale, q, heads, lens, &mut state);
+        for (r, o) in out[..short * hd].chunks_exact_mut(hd).enumerate() {
+            state.write_out(r, o);
+        }
     }
+    let long = rows - short;
+    if long == 0 {
+        return;
+    }
+    let seg_keys = segment_keys(geom.page_slots);
+    let len = row_lens[rows - 1];
+    let w = hd + 3;
+    // The thread's buffer, kept between calls: a long tile's parts are
+    // megabytes, which a fresh allocation would fault in every time.
+    let mut parts = PARTS_SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    parts.resize(len.div_ceil(seg_keys) * long * w, 0.0);
+    let (q, heads, lens) = (&q[short * hd..], &heads[short..], &row_lens[short..]);
+    let mut state = RowState::new(long, hd);
+    let mut tile = Rows::new(&keys, q, heads, lens);
+    for (s, part) in parts.chunks_exact_mut(long * w).enumerate() {
+        let t0 = s * seg_keys;
+        state.reset();
+        tile.fold(isa, &keys, t0, (t0 + seg_keys).min(len), scale, &mut state);
+        write_parts(&state, hd, part);
+    }
+    for (r, o) in out[short * hd..].chunks_exact_mut(hd).enumerate() {
+        merge_row(&parts[r * w..], long * w, lens[r].div_ceil(seg_keys), o);
+    }
+    PARTS_SCRATCH.with(|s| *s.borrow_mut() = parts);
+}
+
+thread_local! {
+    static PARTS_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The K and V of `layer` in `pages` (position `base` at the first slot of
@@ -373,10 +416,29 @@ fn checked_pages(
 
 /// A decode row at least this long is split across tasks by its keys,
 /// whatever the batch and the threads: a row's output is the same alone
-/// and in any batch.
+/// and in any batch. A query of a prefill tile this long is computed in
+/// the same segments (in its tile's task), so it is the same bits too.
 const SPLIT_MIN_KEYS: usize = 512;
 /// Keys per task of a split row (rounded to whole pages).
 const SPLIT_KEYS: usize = 256;
+
+/// Keys per segment of a split row: [`SPLIT_KEYS`] rounded up to whole
+/// pages of `page_slots`.
+fn segment_keys(page_slots: usize) -> usize {
+    SPLIT_KEYS.div_ceil(page_slots).max(1) * page_slots
+}
+
+/// Each row's partial softmax from `state` into `part` (`rows × (hd + 3)`):
+/// `[1, max score, sum of exp(score − max), Σ exp(score − max)·V…]`.
+fn write_parts(state: &RowState, hd: usize, part: &mut [f32]) {
+    let w = hd + 3;
+    for (r, p) in part.chunks_exact_mut(w).enumerate() {
+        p[0] = 1.0;
+        p[1] = state.max[r];
+        p[2] = state.sum[r];
+        p[3..].copy_from_slice(state.acc_row(r, hd));
+    }
+}
 
 /// One query's attention (`q`: `n_heads × head_dim`, `group` heads per KV
 /// head) over the keys of block-table entries `first_entry..` (`pages`) up
@@ -417,14 +479,7 @@ fn attend_segment(
         &vec![len; rows],
         &mut state,
     );
-    let w = hd + 3;
-    part.fill(0.0);
-    for r in 0..rows {
-        part[r * w] = 1.0;
-        part[r * w + 1] = state.max[r];
-        part[r * w + 2] = state.sum[r];
-        part[r * w + 3..(r + 1) * w].copy_from_slice(state.acc_row(r, hd));
-    }
+    write_parts(&state, hd, part);
 }
 
 /// Combines the partial softmaxes of a split row's segments (`parts`, one
@@ -437,24 +492,36 @@ fn merge_parts(parts: &[f32], rows: usize, hd: usize, out: &mut [f32]) {
     if parts.chunks_exact(seg).any(|p| p[0] != 1.0) {
         return;
     }
-    for r in 0..rows {
-        let max = parts
-            .chunks_exact(seg)
-            .map(|p| p[r * w + 1])
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f64;
-        let o = &mut out[r * hd..(r + 1) * hd];
-        for p in parts.chunks_exact(seg) {
-            let scale = (p[r * w + 1] - max).exp();
-            sum += f64::from(p[r * w + 2]) * f64::from(scale);
-            for (d, &x) in o.iter_mut().zip(&p[r * w + 3..(r + 1) * w]) {
-                *d += scale * x;
-            }
+    let segs = parts.len() / seg;
+    for (r, o) in out.chunks_exact_mut(hd).take(rows).enumerate() {
+        merge_row(&parts[r * w..], seg, segs, o);
+    }
+}
+
+/// One row's output from its partial softmaxes in `segs` segments: the
+/// row's part of segment `s` at `parts[s * stride..]` (see
+/// [`write_parts`]); `out` holds the head dimension. The one merge of
+/// split rows, whether their segments were tasks of their own (decode) or
+/// passes of a tile's task (prefill).
+fn merge_row(parts: &[f32], stride: usize, segs: usize, out: &mut [f32]) {
+    let hd = out.len();
+    let part = |s: usize| &parts[s * stride..s * stride + hd + 3];
+    let max = (0..segs)
+        .map(|s| part(s)[1])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f64;
+    out.fill(0.0);
+    for s in 0..segs {
+        let p = part(s);
+        let scale = (p[1] - max).exp();
+        sum += f64::from(p[2]) * f64::from(scale);
+        for (d, &x) in out.iter_mut().zip(&p[3..]) {
+            *d += scale * x;
         }
-        let inv = (1.0 / sum) as f32;
-        for d in o.iter_mut() {
-            *d *= inv;
-        }
+    }
+    let inv = (1.0 / sum) as f32;
+    for d in out.iter_mut() {
+        *d *= inv;
     }
 }
 
@@ -510,7 +577,7 @@ pub fn attend(
         let len = seq_len - queries.len() + (last - queries.start);
         let entries = len.div_ceil(ps);
         if last - first == 1 && len >= SPLIT_MIN_KEYS {
-            let per = SPLIT_KEYS.div_ceil(ps).max(1);
+            let per = segment_keys(ps) / ps;
             let segs = entries.div_ceil(per);
             for (i, e0) in (0..entries).step_by(per).enumerate() {
                 units.push((c, e0..(e0 + per).min(entries), i, segs));

@@ -97,6 +97,13 @@ impl RowState {
         }
     }
 
+    /// Back to no key seen.
+    pub fn reset(&mut self) {
+        self.max.fill(f32::NEG_INFINITY);
+        self.sum.fill(0.0);
+        self.acc.fill(0.0);
+    }
+
     /// Row `r`'s unnormalised output (`head_dim` values).
     pub fn acc_row(&self, r: usize, head_dim: usize) -> &[f32] {
         &self.acc[r * self.stride..r * self.stride + head_dim]
@@ -134,45 +141,94 @@ pub(crate) fn attend_rows(
     lens: &[usize],
     state: &mut RowState,
 ) {
-    let hd = keys.head_dim;
-    let nkv = keys.n_kv_heads;
-    let stride = state.stride;
-    let rows = lens.len();
-    assert_eq!(q.len(), rows * hd, "{rows} query rows of {hd}");
-    assert_eq!(heads.len(), rows, "a KV head per row");
-    assert!(heads.iter().all(|&h| h < nkv), "KV heads below {nkv}");
-    assert_eq!(state.max.len(), rows, "state of {rows} rows");
-    let mut qp = vec![0.0f32; rows * stride];
-    for (d, s) in qp.chunks_exact_mut(stride).zip(q.chunks_exact(hd)) {
-        for (d, &s) in d.iter_mut().zip(s) {
-            *d = f16::from_f32(s).to_f32();
+    Rows::new(keys, q, heads, lens).fold(isa, keys, t0, t1, scale, state);
+}
+
+/// Query rows made ready to fold keys into a [`RowState`], as many times
+/// as needed (a long row's segments): the queries rounded to f16 once,
+/// the block buffers allocated once.
+pub(crate) struct Rows<'a> {
+    heads: &'a [usize],
+    lens: &'a [usize],
+    /// rows × stride, f16-rounded, zero-padded.
+    q: Vec<f32>,
+    /// Three blocks of keys per KV head (K, V, K transposed).
+    kv: Vec<f32>,
+}
+
+impl<'a> Rows<'a> {
+    /// `q`: `lens.len()` rows of the keys' head dimension; row `r` reads KV
+    /// head `heads[r]` and sees the keys before `lens[r]`.
+    pub fn new(keys: &Keys<'_>, q: &[f32], heads: &'a [usize], lens: &'a [usize]) -> Rows<'a> {
+        let hd = keys.head_dim;
+        let nkv = keys.n_kv_heads;
+        let stride = hd.div_ceil(LANES) * LANES;
+        let rows = lens.len();
+        assert_eq!(q.len(), rows * hd, "{rows} query rows of {hd}");
+        assert_eq!(heads.len(), rows, "a KV head per row");
+        assert!(heads.iter().all(|&h| h < nkv), "KV heads below {nkv}");
+        let mut qp = vec![0.0f32; rows * stride];
+        for (d, s) in qp.chunks_exact_mut(stride).zip(q.chunks_exact(hd)) {
+            for (d, &s) in d.iter_mut().zip(s) {
+                *d = f16::from_f32(s).to_f32();
+            }
+        }
+        Rows {
+            heads,
+            lens,
+            q: qp,
+            kv: vec![0.0f32; 3 * nkv * KEY_BLOCK * stride],
         }
     }
-    let mut kv = vec![0.0f32; 3 * nkv * KEY_BLOCK * stride];
-    let args = Args {
-        keys,
-        t0,
-        t1,
-        scale,
-        q: &qp,
-        heads,
-        lens,
-    };
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            // SAFETY: `isa` is available (callers pass `or_portable()`):
-            // AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C are present; the
-            // buffers are sized as `blocks_avx512` needs.
-            unsafe { blocks_avx512(&args, state, &mut kv) }
+
+    /// Folds keys `t0..t1` (of the geometry `new` was given) into `state`.
+    pub fn fold(
+        &mut self,
+        isa: Isa,
+        keys: &Keys<'_>,
+        t0: usize,
+        t1: usize,
+        scale: f32,
+        state: &mut RowState,
+    ) {
+        let rows = self.lens.len();
+        assert_eq!(state.max.len(), rows, "state of {rows} rows");
+        assert_eq!(
+            self.q.len(),
+            rows * state.stride,
+            "rows of the state's stride"
+        );
+        assert!(
+            self.kv.len() >= 3 * keys.n_kv_heads * KEY_BLOCK * state.stride,
+            "block buffers for {} KV heads",
+            keys.n_kv_heads
+        );
+        let args = Args {
+            keys,
+            t0,
+            t1,
+            scale,
+            q: &self.q,
+            heads: self.heads,
+            lens: self.lens,
+        };
+        let kv = &mut self.kv;
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                // SAFETY: `isa` is available (callers pass `or_portable()`):
+                // AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C are present; the
+                // buffers are sized as `blocks_avx512` needs (asserted).
+                unsafe { blocks_avx512(&args, state, kv) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx2Vnni => {
+                // SAFETY: as above, AVX2, FMA and F16C are present.
+                unsafe { blocks_avx2(&args, state, kv) }
+            }
+            // SAFETY: the portable lanes need no CPU feature; buffers as above.
+            _ => unsafe { blocks_portable(&args, state, kv) },
         }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx2Vnni => {
-            // SAFETY: as above, AVX2, FMA and F16C are present.
-            unsafe { blocks_avx2(&args, state, &mut kv) }
-        }
-        // SAFETY: the portable lanes need no CPU feature; buffers as above.
-        _ => unsafe { blocks_portable(&args, state, &mut kv) },
     }
 }
 

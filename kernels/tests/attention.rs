@@ -611,3 +611,59 @@ fn a_lone_short_row_is_split_by_kv_heads_and_matches() {
     assert_eq!(out, on_one, "one thread or two, the same bits");
     assert_eq!(guard.reads.lock().unwrap().len(), GEOM.n_kv_heads * 3);
 }
+
+/// A query's output does not depend on how its prompt was chunked: the
+/// query at position 616 (617 keys, a long row) computed last in a step of
+/// 17 new tokens (alone in its tile of queries), second-to-last in a step
+/// of 18 (a tile of two), first in a step of 2, and as a decode row of its
+/// own — the same bits every time; likewise a short query (at 300) in
+/// tiles of different sizes.
+#[test]
+fn a_query_is_the_same_bits_however_its_prompt_was_chunked() {
+    const PAGES: u32 = 48;
+    let mut rng = rng(43);
+    let pool: Vec<f16> = (0..PAGES as usize * GEOM.page_elems())
+        .map(|_| f16::from_f32(rng.random_range(-1.0..1.0)))
+        .collect();
+    let table: Vec<PageRef> = (0..40u32)
+        .map(|i| PageRef::new((i * 5) % PAGES, 1))
+        .collect();
+    // One query vector per position, whatever step it is computed in.
+    let q_at: Vec<Vec<f32>> = (0..640).map(|_| random_f32(&mut rng, QW, 2.0)).collect();
+    let two = ThreadPool::new(2);
+    for isa in Isa::all_available() {
+        let exec = Exec { pool: &two, isa };
+        // Positions `pos..len` new in one step; returns query `at`'s output.
+        let run = |len: usize, news: usize, at: usize| {
+            let b = Batch::new(std::slice::from_ref(&table), &[len], &[news]);
+            let q: Vec<f32> = (len - news..len).flat_map(|p| q_at[p].clone()).collect();
+            let ledger = RowLedger::new(1);
+            let out = run_attend(exec, &pool, &b, &q, &Unchecked { ledger: &ledger });
+            let i = at - (len - news);
+            out[i * QW..(i + 1) * QW].to_vec()
+        };
+        let long = 616;
+        let want = run(long + 1, 1, long);
+        assert_near(
+            &format!("position {long} on {isa:?}"),
+            &want,
+            &reference(&pool, 0.1, &q_at[long], &table, long + 1),
+        );
+        for (len, news) in [(617, 17), (618, 18), (618, 2), (620, 40), (640, 100)] {
+            assert_eq!(
+                run(len, news, long),
+                want,
+                "position {long}, step of {news} new up to {len}, on {isa:?}"
+            );
+        }
+        let short = 300;
+        let want = run(short + 1, 1, short);
+        for (len, news) in [(301, 17), (302, 18), (310, 30), (600, 310)] {
+            assert_eq!(
+                run(len, news, short),
+                want,
+                "position {short}, step of {news} new up to {len}, on {isa:?}"
+            );
+        }
+    }
+}
